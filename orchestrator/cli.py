@@ -20,6 +20,8 @@ app = typer.Typer(
 
 # One line per verb group; a group's module owns its commands.
 COMMAND_MODULES = [
+    "service",
+    "market",
 ]
 
 for _name in COMMAND_MODULES:

@@ -1,0 +1,60 @@
+"""Shared test fixtures: isolated state directories, free ports, the replica runtime check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+REPLICA_PYTHON = REPO / ".venv-replica" / "bin" / "python"
+
+
+def _replica_has_vllm() -> str | None:
+    """None when the replica runtime can run vLLM, else why not (the skip reason)."""
+    if not REPLICA_PYTHON.exists():
+        return f"replica runtime missing ({REPLICA_PYTHON}); run `make install`"
+    probe = subprocess.run([str(REPLICA_PYTHON), "-c", "import vllm, orchestrator"], capture_output=True, timeout=120)
+    if probe.returncode != 0:
+        return f"vllm does not import in {REPLICA_PYTHON}: {probe.stderr.decode()[-200:]}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def replica_runtime() -> Path:
+    """The replica runtime's python (vLLM CPU build); skips the test when unavailable."""
+    reason = _replica_has_vllm()
+    if reason:
+        pytest.skip(reason)
+    return REPLICA_PYTHON
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    """One demo-model cache for the whole run (building it takes a few seconds)."""
+    explicit = os.environ.get("SPOT_ORCHESTRATOR_MODELS")
+    return Path(explicit) if explicit else tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(replica_runtime, models_dir) -> Path:
+    out = subprocess.run(
+        [str(replica_runtime), "-m", "orchestrator.demo_model", "--size", "tiny", "--root", str(models_dir)],
+        capture_output=True, text=True, timeout=600, check=True,
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def state_home(tmp_path, monkeypatch, models_dir) -> Path:
+    """An isolated SPOT_ORCHESTRATOR_HOME (and daemon port) for one test."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("SPOT_ORCHESTRATOR_HOME", str(home))
+    monkeypatch.setenv("SPOT_ORCHESTRATOR_DAEMON_PORT", str(free_port()))
+    monkeypatch.setenv("SPOT_ORCHESTRATOR_MODELS", str(models_dir))
+    return home
