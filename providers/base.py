@@ -136,6 +136,8 @@ class Instance:
     tags: dict[str, str] = dataclasses.field(default_factory=dict)
     # Where the replica's engine answers (http://host:port); None until known.
     endpoint: str | None = None
+    # Where the replica agent (notice watcher + KV shard store) answers; None until known.
+    agent_endpoint: str | None = None
     launched_at: float = dataclasses.field(default_factory=time.time)
     price_per_hour: float | None = None
 

@@ -1,0 +1,793 @@
+"""ServiceSpec: the service YAML, parsed and validated into frozen dataclasses.
+
+One YAML file describes a service. Its `service:` section is SkyServe's, field for field,
+so a SkyServe user's section loads unchanged (we also accept SkyServe fields we do not act
+on, like `load_balancer` or `pool`, and keep them). Top-level SkyPilot task keys (setup,
+run, envs, workdir, num_nodes, file_mounts, ...) are accepted and kept in `ServiceSpec.task`
+(templates use them on real clouds; the local cloud ignores them). Our additions:
+`service.placement_policy`, `engine:` (vLLM) and `kv:` (the erasure-coded KV cache).
+
+Every validation error is a `SpecError` (a UserError) whose single line names the field
+path and what was expected, e.g. `service.replicas: expected an integer, got 'two'`.
+
+API:
+    load_spec(path_or_text) -> ServiceSpec     # a file path, or YAML text
+    parse_spec(data, name=None) -> ServiceSpec # an already-loaded mapping
+    spec.min_replicas / spec.max_replicas / spec.autoscaling / spec.use_spot / spec.accelerator
+    spec.candidate_locations(known=None) -> list[Location]
+    spec.policy_params() -> ServiceParams
+    spec.to_dict() -> dict                     # parse_spec(spec.to_dict()) == spec
+    spec.to_json() / ServiceSpec.from_json(text)  # what the store keeps
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import shlex
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.errors import UserError
+from policies.base import ServiceParams
+from providers.base import Location
+from providers.local import CLOUD as LOCAL_CLOUD
+from providers.local import configured_locations
+
+LB_POLICIES = ("round_robin", "least_load", "instance_aware_least_load")  # SkyServe's names
+DEFAULT_LB_POLICY = "least_load"
+SPOT_PLACERS = ("dynamic_fallback",)
+DEFAULT_PLACEMENT_POLICY = "default"  # policies.base.load_policy resolves it
+CPU_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32 (REFERENCE.md)
+TINY_MODEL = "tiny"  # the locally generated demo model (orchestrator.demo_model)
+
+
+class SpecError(UserError):
+    """A bad service spec; `path` is the dotted field path (e.g. 'service.replicas')."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadinessProbe:
+    path: str = "/health"
+    initial_delay_seconds: float = 1200.0
+    timeout_seconds: float = 15.0
+    post_data: str | Mapping[str, Any] | None = None
+    headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # SkyServe's optional knobs; None = the controller's defaults (10 s, 180 s).
+    endpoint_probe_interval_seconds: float | None = None
+    consecutive_failure_threshold_timeout: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaPolicy:
+    min_replicas: int
+    max_replicas: int | None = None  # None: fixed at min_replicas (no autoscaling)
+    target_qps_per_replica: float | Mapping[str, float] | None = None
+    num_overprovision: int = 0
+    base_ondemand_fallback_replicas: int = 0
+    dynamic_ondemand_fallback: bool = False
+    spot_placer: str | None = None
+    upscale_delay_seconds: float = 300.0
+    downscale_delay_seconds: float = 1200.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TLS:
+    keyfile: str
+    certfile: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceSection:
+    readiness_probe: ReadinessProbe = ReadinessProbe()
+    replica_policy: ReplicaPolicy = ReplicaPolicy(min_replicas=1)
+    replicas: int | None = None  # as written (`replicas: N` means min = max = N)
+    load_balancing_policy: str = DEFAULT_LB_POLICY
+    ports: int | None = None  # the load balancer's port; None = pick a free one
+    tls: TLS | None = None
+    placement_policy: str = DEFAULT_PLACEMENT_POLICY
+    # SkyServe keys accepted and kept but not acted on (load_balancer, pool, workers).
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Accelerator:
+    name: str
+    count: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.count}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """SkyPilot's resources: what we act on is typed; the rest is kept in `extra`."""
+
+    cloud: str | None = None
+    region: str | None = None
+    zone: str | None = None
+    instance_type: str | None = None
+    accelerators: tuple[Accelerator, ...] = ()  # alternatives; the first is preferred
+    use_spot: bool | None = None  # None = not set (SkyPilot's default: on-demand)
+    ports: tuple[str, ...] = ()
+    any_of: tuple[Resources, ...] = ()
+    ordered: bool = False  # written as `ordered:` (alternatives tried in order), not `any_of:`
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def accelerator(self) -> Accelerator | None:
+        return self.accelerators[0] if self.accelerators else None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    model: str  # a HF repo id, a local directory, or "tiny" (the demo model)
+    args: tuple[str, ...] = ()  # extra vLLM CLI arguments, appended verbatim
+    max_model_len: int | None = None
+    block_size: int | None = None  # None: 32 on CPU, vLLM's default on GPU
+    dtype: str | None = None
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.model == TINY_MODEL
+
+    def block_size_for(self, on_cpu: bool) -> int | None:
+        return self.block_size if self.block_size is not None else (CPU_BLOCK_SIZE if on_cpu else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSpec:
+    enabled: bool = True
+    k: int = 4
+    m: int = 2
+    store_max_bytes: int = 1 << 30
+    ttl_seconds: float = 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceSpec:
+    name: str
+    engine: EngineSpec
+    service: ServiceSection = ServiceSection()
+    resources: Resources = Resources()
+    kv: KVSpec = KVSpec()
+    # SkyPilot task keys (setup, run, envs, workdir, num_nodes, file_mounts, ...): kept.
+    task: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def min_replicas(self) -> int:
+        return self.service.replica_policy.min_replicas
+
+    @property
+    def max_replicas(self) -> int:
+        policy = self.service.replica_policy
+        return policy.max_replicas if policy.max_replicas is not None else policy.min_replicas
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max_replicas > self.min_replicas
+
+    @property
+    def use_spot(self) -> bool:
+        """Spot wanted anywhere: top-level `use_spot`, or any any_of alternative's."""
+        return bool(self.resources.use_spot) or any(alt.use_spot for alt in self.resources.any_of)
+
+    @property
+    def accelerator(self) -> Accelerator | None:
+        alts = [self.resources.accelerator, *(alt.accelerator for alt in self.resources.any_of)]
+        return next((a for a in alts if a is not None), None)
+
+    def _location_filters(self) -> list[tuple[str | None, str | None, str | None]]:
+        """(cloud, region, zone) patterns, None = any; any_of entries inherit the top level."""
+        top = self.resources
+        alts = self.resources.any_of or (top,)
+        return [(a.cloud or top.cloud, a.region or top.region, a.zone or top.zone) for a in alts]
+
+    def candidate_locations(self, known: Iterable[Location] | None = None) -> list[Location]:
+        """Where the service may run, in preference order, without duplicates.
+
+        `known` (e.g. the price book's locations) is filtered by resources' cloud/region/zone
+        and any_of. Besides, fully named locations (cloud+region+zone) and, for
+        `cloud: local`, the local cloud's configured zones are always listed. A spec naming
+        no cloud at all may run anywhere in `known`, or on the local cloud without it.
+        """
+        known = list(known or ())
+        out: list[Location] = []
+        for cloud, region, zone in self._location_filters():
+            if cloud is None and region is None and zone is None and not known:
+                out.extend(configured_locations())
+                continue
+            out.extend(loc for loc in known if _matches(loc, cloud, region, zone))
+            if cloud == LOCAL_CLOUD:
+                out.extend(loc for loc in configured_locations() if _matches(loc, cloud, region, zone))
+            elif cloud and region and zone:
+                out.append(Location(cloud, region, zone))
+        return list(dict.fromkeys(out))
+
+    def policy_params(self) -> ServiceParams:
+        policy = self.service.replica_policy
+        acc = self.accelerator
+        return ServiceParams(
+            num_overprovision=policy.num_overprovision,
+            base_ondemand_fallback_replicas=policy.base_ondemand_fallback_replicas,
+            dynamic_ondemand_fallback=policy.dynamic_ondemand_fallback,
+            use_spot=self.use_spot,
+            accelerator=acc.name if acc else None,
+            accelerator_count=acc.count if acc else 1,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, normalized mapping (YAML/JSON-ready): parse_spec(spec.to_dict()) == spec."""
+        return {
+            "name": self.name,
+            **_plain(self.task),
+            "service": _service_to_dict(self.service),
+            "resources": _resources_to_dict(self.resources),
+            "engine": _compact(dataclasses.asdict(self.engine) | {"args": list(self.engine.args)}),
+            "kv": dataclasses.asdict(self.kv),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServiceSpec:
+        return parse_spec(json.loads(text))
+
+
+def _matches(loc: Location, cloud: str | None, region: str | None, zone: str | None) -> bool:
+    return (
+        (cloud is None or loc.cloud == cloud)
+        and (region is None or loc.region == region)
+        and (zone is None or loc.zone == zone)
+    )
+
+
+# ---- serialization --------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """Mappings/tuples to dicts/lists, recursively (what YAML and JSON write)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _compact(d: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _plain(v) for k, v in d.items() if v is not None and v != {} and v != ()}
+
+
+def _service_to_dict(s: ServiceSection) -> dict[str, Any]:
+    out: dict[str, Any] = {"readiness_probe": _compact(dataclasses.asdict(s.readiness_probe))}
+    if s.replicas is not None:
+        out["replicas"] = s.replicas
+    else:
+        out["replica_policy"] = _compact(dataclasses.asdict(s.replica_policy))
+    out["load_balancing_policy"] = s.load_balancing_policy
+    out["placement_policy"] = s.placement_policy
+    if s.ports is not None:
+        out["ports"] = s.ports
+    if s.tls is not None:
+        out["tls"] = dataclasses.asdict(s.tls)
+    return out | _plain(s.extra)
+
+
+def _resources_to_dict(r: Resources) -> dict[str, Any]:
+    out = _compact(
+        {
+            "cloud": r.cloud,
+            "region": r.region,
+            "zone": r.zone,
+            "instance_type": r.instance_type,
+            "use_spot": r.use_spot,
+            "accelerators": [str(a) for a in r.accelerators] or None,
+            "ports": list(r.ports) or None,
+            ("ordered" if r.ordered else "any_of"): [_resources_to_dict(alt) for alt in r.any_of] or None,
+        }
+    )
+    return out | _plain(r.extra)
+
+
+# ---- YAML loading ---------------------------------------------------------------------
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                line = key_node.start_mark.line + 1
+                raise SpecError("", f"duplicate key {key!r} at line {line}")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _looks_like_path(text: str) -> bool:
+    return "\n" not in text and (text.endswith((".yaml", ".yml", ".json")) or ":" not in text)
+
+
+def load_spec(path_or_text: str | Path) -> ServiceSpec:
+    """Parse a YAML file (a Path, or a one-line str ending in .yaml/.yml or without a colon)
+    or YAML text. The name defaults to the file's stem."""
+    source, name = "spec", None
+    if isinstance(path_or_text, Path) or _looks_like_path(str(path_or_text)):
+        path = Path(path_or_text).expanduser()
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise SpecError("", f"file not found: {path}") from None
+        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as err:
+            raise SpecError("", f"cannot read {path}: {type(err).__name__}") from None
+        source, name = str(path), path.stem
+    else:
+        text = str(path_or_text)
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
+    except SpecError as err:
+        raise SpecError("", f"{source}: {err}") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError("", f"{source}: invalid YAML{where}: {err.problem or err.context}") from None
+    except yaml.YAMLError as err:
+        raise SpecError("", f"{source}: invalid YAML: {err}") from None
+    if data is None:
+        raise SpecError("", f"{source}: empty; expected a mapping with at least engine.model")
+    return parse_spec(data, name=name)
+
+
+# ---- validation -----------------------------------------------------------------------
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, (list, tuple, set)):
+        return "a list"
+    return repr(value)
+
+
+class _Fields:
+    """One mapping under validation: typed getters that name the field path in every error.
+
+    Unknown keys are refused at construction, with a did-you-mean from the known ones.
+    """
+
+    def __init__(self, data: Any, path: str, known: Iterable[str]):
+        if not isinstance(data, Mapping):
+            raise SpecError(path or "(top level)", f"expected a mapping, got {_show(data)}")
+        known = list(known)
+        for key in data:
+            if not isinstance(key, str) or key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; expected one of {', '.join(known)}"
+                raise SpecError(self._join(path, str(key)), f"unknown key{hint}")
+        self.data, self.path = data, path
+
+    @staticmethod
+    def _join(path: str, key: str) -> str:
+        return f"{path}.{key}" if path else key
+
+    def at(self, key: str) -> str:
+        return self._join(self.path, key)
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        value = self.data.get(key)
+        return default if value is None else value
+
+    def error(self, key: str, message: str) -> SpecError:
+        return SpecError(self.at(key), message)
+
+    def integer(
+        self, key: str, default: Any = None, *, minimum: int | None = None, maximum: int | None = None
+    ):
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                raise self.error(key, f"expected an integer, got {_show(value)}")
+        _check_range(self.at(key), value, minimum, maximum)
+        return value
+
+    def number(self, key: str, default: Any = None, *, minimum: float | None = None, positive: bool = False):
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.error(key, f"expected a number, got {_show(value)}")
+        if positive and value <= 0:
+            raise self.error(key, f"expected a number > 0, got {value}")
+        _check_range(self.at(key), value, minimum, None)
+        return float(value)
+
+    def boolean(self, key: str, default: Any = None) -> Any:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.error(key, f"expected true or false, got {_show(value)}")
+        return value
+
+    def string(self, key: str, default: Any = None, *, choices: Iterable[str] | None = None) -> Any:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise self.error(key, f"expected a string, got {_show(value)}")
+        value = str(value).strip()
+        if not value:
+            raise self.error(key, "expected a non-empty string")
+        if choices is not None:
+            choices = list(choices)
+            if value.lower() not in choices:
+                raise self.error(key, f"expected one of {', '.join(choices)}, got {value!r}")
+            value = value.lower()
+        return value
+
+    def mapping(self, key: str, known: Iterable[str]) -> _Fields:
+        value = self.data.get(key)
+        return _Fields({} if value is None else value, self.at(key), known)
+
+
+def _check_range(path: str, value: float, minimum: float | None, maximum: float | None) -> None:
+    if minimum is not None and value < minimum:
+        raise SpecError(path, f"expected a value >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SpecError(path, f"expected a value <= {maximum}, got {value}")
+
+
+# SkyPilot's task keys besides name/service/resources: accepted and kept, unused locally.
+TASK_KEYS = (
+    "setup", "run", "envs", "secrets", "workdir", "num_nodes", "file_mounts", "volumes",
+    "config", "inputs", "outputs", "event_callback", "file_mounts_mapping", "volume_mounts",
+)  # fmt: skip
+TOP_KEYS = ("name", "service", "resources", "engine", "kv", *TASK_KEYS)
+SERVICE_KEYS = (
+    "readiness_probe", "replicas", "replica_policy", "load_balancing_policy", "ports", "tls",
+    "placement_policy", "load_balancer", "pool", "workers",
+)  # fmt: skip
+SERVICE_EXTRA_KEYS = ("load_balancer", "pool", "workers")
+PROBE_KEYS = (
+    "path", "initial_delay_seconds", "timeout_seconds", "post_data", "headers",
+    "endpoint_probe_interval_seconds", "consecutive_failure_threshold_timeout",
+)  # fmt: skip
+POLICY_KEYS = tuple(f.name for f in dataclasses.fields(ReplicaPolicy))
+RESOURCE_KEYS = ("cloud", "region", "zone", "infra", "instance_type", "accelerators", "use_spot", "ports")
+# SkyPilot's other resource keys: kept for templates that launch through SkyPilot.
+RESOURCE_EXTRA_KEYS = (
+    "cpus", "memory", "disk_size", "disk_tier", "image_id", "labels", "accelerator_args",
+    "autostop", "network_tier", "job_recovery", "priority", "volumes", "local_disk",
+    "max_hourly_cost", "ephemeral_storage", "priority_class",
+)  # fmt: skip
+ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineSpec))
+KV_KEYS = tuple(f.name for f in dataclasses.fields(KVSpec))
+KNOWN_CLOUDS = (
+    "local", "aws", "gcp", "azure", "kubernetes", "k8s", "lambda", "runpod", "oci", "ibm",
+    "nebius", "paperspace", "cudo", "fluidstack", "vast", "do", "scp", "vsphere", "ssh",
+)  # fmt: skip
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt])?(i)?b?\s*$", re.IGNORECASE)
+
+
+def parse_spec(data: Any, name: str | None = None) -> ServiceSpec:
+    """Validate a loaded mapping. `name` (e.g. the file's stem) is used when it has none."""
+    top = _Fields(data, "", TOP_KEYS)
+    return ServiceSpec(
+        name=_parse_name(top, name),
+        engine=_parse_engine(top),
+        service=_parse_service(top.mapping("service", SERVICE_KEYS)),
+        resources=_parse_resources(
+            top.mapping("resources", (*RESOURCE_KEYS, "any_of", "ordered", *RESOURCE_EXTRA_KEYS))
+        ),
+        kv=_parse_kv(top.mapping("kv", KV_KEYS)),
+        task={k: _plain(top.data[k]) for k in TASK_KEYS if k in top.data},
+    )
+
+
+def _parse_name(top: _Fields, fallback: str | None) -> str:
+    explicit = top.string("name")
+    if explicit is None:
+        if fallback is None:
+            raise top.error("name", "required (or load the spec from a file, whose name is used)")
+        # A file name is a hint, not something the user typed as a name: make it one.
+        explicit = re.sub(r"[^a-z0-9-]+", "-", fallback.lower()).strip("-") or "service"
+        if not explicit[0].isalpha():
+            explicit = f"svc-{explicit}"
+        return explicit[:63]
+    if not _NAME_RE.match(explicit):
+        raise top.error(
+            "name", f"expected lowercase letters, digits and '-', starting with a letter, got {explicit!r}"
+        )
+    return explicit
+
+
+def _parse_probe(svc: _Fields) -> ReadinessProbe:
+    raw = svc.data.get("readiness_probe")
+    if raw is None:
+        return ReadinessProbe()
+    if isinstance(raw, str):
+        probe = ReadinessProbe(path=raw.strip())
+        path_key = "readiness_probe"
+    else:
+        f = svc.mapping("readiness_probe", PROBE_KEYS)
+        if not f.has("path"):
+            raise f.error("path", "required")
+        headers = f.raw("headers", {})
+        if not isinstance(headers, Mapping) or not all(isinstance(v, str) for v in headers.values()):
+            raise f.error("headers", "expected a mapping of header names to strings")
+        post_data = f.raw("post_data")
+        if isinstance(post_data, str):
+            try:
+                post_data = json.loads(post_data)
+            except json.JSONDecodeError:
+                raise f.error("post_data", "expected a mapping or a JSON string") from None
+        elif post_data is not None and not isinstance(post_data, Mapping):
+            raise f.error("post_data", f"expected a mapping or a JSON string, got {_show(post_data)}")
+        probe = ReadinessProbe(
+            path=f.string("path"),
+            initial_delay_seconds=f.number("initial_delay_seconds", 1200.0, minimum=0),
+            timeout_seconds=f.number("timeout_seconds", 15.0, positive=True),
+            post_data=_plain(post_data) if post_data is not None else None,
+            headers=dict(headers),
+            endpoint_probe_interval_seconds=f.number("endpoint_probe_interval_seconds", positive=True),
+            consecutive_failure_threshold_timeout=f.number(
+                "consecutive_failure_threshold_timeout", minimum=0
+            ),
+        )
+        path_key = "readiness_probe.path"
+    if not probe.path.startswith("/"):
+        raise SpecError(svc.at(path_key), f"must start with '/', got {probe.path!r}")
+    return probe
+
+
+def _parse_replica_policy(svc: _Fields) -> ReplicaPolicy:
+    if svc.has("replicas") and svc.has("replica_policy"):
+        raise svc.error("replicas", "give either replicas or replica_policy, not both")
+    if not svc.has("replica_policy"):
+        n = svc.integer("replicas", 1, minimum=0)
+        return ReplicaPolicy(min_replicas=n, max_replicas=n)
+    f = svc.mapping("replica_policy", POLICY_KEYS)
+    if not f.has("min_replicas"):
+        raise f.error("min_replicas", "required")
+    lo = f.integer("min_replicas", minimum=0)
+    hi = f.integer("max_replicas", minimum=0)
+    if hi is not None and lo > hi:
+        raise f.error("min_replicas", f"({lo}) > max_replicas ({hi})")
+    qps = _parse_target_qps(f)
+    # SkyServe's rules: autoscaling needs a QPS target, and a QPS target needs a ceiling.
+    if qps is not None and hi is None:
+        raise f.error("max_replicas", "required when target_qps_per_replica is set")
+    if qps is None and hi is not None and hi != lo:
+        raise f.error("target_qps_per_replica", f"required when max_replicas ({hi}) != min_replicas ({lo})")
+    return ReplicaPolicy(
+        min_replicas=lo,
+        max_replicas=hi,
+        target_qps_per_replica=qps,
+        num_overprovision=f.integer("num_overprovision", 0, minimum=0),
+        base_ondemand_fallback_replicas=f.integer("base_ondemand_fallback_replicas", 0, minimum=0),
+        dynamic_ondemand_fallback=f.boolean("dynamic_ondemand_fallback", False),
+        spot_placer=f.string("spot_placer", choices=SPOT_PLACERS),
+        upscale_delay_seconds=f.number("upscale_delay_seconds", 300.0, minimum=0),
+        downscale_delay_seconds=f.number("downscale_delay_seconds", 1200.0, minimum=0),
+    )
+
+
+def _parse_target_qps(f: _Fields) -> float | dict[str, float] | None:
+    raw = f.data.get("target_qps_per_replica")
+    if not isinstance(raw, Mapping):
+        return f.number("target_qps_per_replica", positive=True)
+    out = {}
+    for acc, qps in raw.items():  # SkyServe: per-accelerator targets, e.g. {H100: 4, A100:1: 2}
+        path = f"{f.at('target_qps_per_replica')}.{acc}"
+        if isinstance(qps, bool) or not isinstance(qps, (int, float)) or qps <= 0:
+            raise SpecError(path, f"expected a number > 0, got {_show(qps)}")
+        out[str(acc)] = float(qps)
+    return out
+
+
+def _parse_service(svc: _Fields) -> ServiceSection:
+    tls = None
+    if svc.has("tls"):
+        t = svc.mapping("tls", ("keyfile", "certfile"))
+        for key in ("keyfile", "certfile"):
+            if not t.has(key):
+                raise t.error(key, "required")
+        tls = TLS(keyfile=t.string("keyfile"), certfile=t.string("certfile"))
+    policy_name = svc.string("placement_policy", DEFAULT_PLACEMENT_POLICY)
+    if not re.match(r"^[A-Za-z0-9_.-]+$", policy_name):
+        raise svc.error("placement_policy", f"expected a policy name, got {policy_name!r}")
+    for key in SERVICE_EXTRA_KEYS:
+        if key in ("load_balancer", "pool") and svc.has(key) and not isinstance(svc.data[key], Mapping):
+            raise svc.error(key, f"expected a mapping, got {_show(svc.data[key])}")
+    replicas = svc.integer("replicas", minimum=0) if not svc.has("replica_policy") else None
+    return ServiceSection(
+        readiness_probe=_parse_probe(svc),
+        replica_policy=_parse_replica_policy(svc),
+        replicas=replicas,
+        load_balancing_policy=svc.string("load_balancing_policy", DEFAULT_LB_POLICY, choices=LB_POLICIES),
+        ports=svc.integer("ports", minimum=1, maximum=65535),
+        tls=tls,
+        placement_policy=policy_name,
+        extra={k: _plain(svc.data[k]) for k in SERVICE_EXTRA_KEYS if svc.has(k)},
+    )
+
+
+def _parse_accelerators(f: _Fields) -> tuple[Accelerator, ...]:
+    raw = f.data.get("accelerators")
+    path = f.at("accelerators")
+    if raw is None:
+        return ()
+    if isinstance(raw, str):
+        items: list[tuple[str, Any]] = [_split_accelerator(raw, path)]
+    elif isinstance(raw, Mapping):  # {A100: 1} or the set form {A100, V100} (values None)
+        items = [(str(k), 1 if v is None else v) for k, v in raw.items()]
+    elif isinstance(raw, (list, tuple, set)):
+        items = []
+        for i, item in enumerate(raw):
+            if isinstance(item, str):
+                items.append(_split_accelerator(item, f"{path}[{i}]"))
+            elif isinstance(item, Mapping) and len(item) == 1:
+                ((k, v),) = item.items()
+                items.append((str(k), 1 if v is None else v))
+            else:
+                raise SpecError(f"{path}[{i}]", f"expected 'NAME' or 'NAME:COUNT', got {_show(item)}")
+    else:
+        raise SpecError(path, f"expected 'NAME:COUNT', a mapping or a list, got {_show(raw)}")
+    out = []
+    for name, count in items:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise SpecError(path, f"{name}: expected a whole accelerator count >= 1, got {_show(count)}")
+        if not name.strip():
+            raise SpecError(path, "expected an accelerator name")
+        out.append(Accelerator(name.strip(), count))
+    return tuple(out)
+
+
+def _split_accelerator(text: str, path: str) -> tuple[str, Any]:
+    name, _, count = text.strip().partition(":")
+    if not count:
+        return name, 1
+    try:
+        return name, int(count)
+    except ValueError:
+        raise SpecError(path, f"expected 'NAME' or 'NAME:COUNT', got {text!r}") from None
+
+
+def _parse_ports(f: _Fields) -> tuple[str, ...]:
+    raw = f.data.get("ports")
+    if raw is None:
+        return ()
+    items = raw if isinstance(raw, (list, tuple)) else [raw]
+    out = []
+    for item in items:
+        text = str(item).strip()
+        if isinstance(item, bool) or not re.match(r"^\d+(-\d+)?$", text):
+            raise f.error("ports", f"expected a port, a range 'A-B' or a list of them, got {_show(item)}")
+        out.append(text)
+    return tuple(out)
+
+
+def _parse_resources(f: _Fields, *, nested: bool = False) -> Resources:
+    cloud, region, zone = f.string("cloud"), f.string("region"), f.string("zone")
+    if f.has("infra"):  # SkyPilot >= 0.10: infra: aws/us-east-1/us-east-1a ('*' = any)
+        if cloud or region or zone:
+            raise f.error("infra", "give either infra or cloud/region/zone, not both")
+        parts = [None if p in ("*", "") else p for p in f.string("infra").split("/", 2)]
+        cloud, region, zone = (parts + [None, None])[:3]
+    if cloud is not None:
+        cloud = cloud.lower()
+        if cloud not in KNOWN_CLOUDS:
+            close = difflib.get_close_matches(cloud, KNOWN_CLOUDS, n=1)
+            hint = (
+                f"; did you mean {close[0]!r}?" if close else f"; expected one of {', '.join(KNOWN_CLOUDS)}"
+            )
+            raise f.error("cloud", f"unknown cloud {cloud!r}{hint}")
+    alternatives: tuple[Resources, ...] = ()
+    for key in ("any_of", "ordered"):
+        if not f.has(key):
+            continue
+        if nested:
+            raise f.error(key, "cannot be nested")
+        if alternatives:
+            raise f.error(key, "give either any_of or ordered, not both")
+        raw = f.data[key]
+        if not isinstance(raw, (list, tuple)) or not raw:
+            raise f.error(key, f"expected a non-empty list of resource mappings, got {_show(raw)}")
+        alternatives = tuple(
+            _parse_resources(
+                _Fields(item, f"{f.at(key)}[{i}]", (*RESOURCE_KEYS, *RESOURCE_EXTRA_KEYS)), nested=True
+            )
+            for i, item in enumerate(raw)
+        )
+    return Resources(
+        cloud=cloud,
+        region=region,
+        zone=zone,
+        instance_type=f.string("instance_type"),
+        accelerators=_parse_accelerators(f),
+        use_spot=f.boolean("use_spot"),
+        ports=_parse_ports(f),
+        any_of=alternatives,
+        ordered=f.has("ordered"),
+        extra={k: _plain(f.data[k]) for k in RESOURCE_EXTRA_KEYS if f.has(k)},
+    )
+
+
+def _parse_engine(top: _Fields) -> EngineSpec:
+    if not top.has("engine"):
+        raise top.error(
+            "engine", "required (at least engine.model: a HF model id, a local directory or 'tiny')"
+        )
+    f = top.mapping("engine", ENGINE_KEYS)
+    if not f.has("model"):
+        raise f.error("model", "required (a HF model id, a local directory or 'tiny')")
+    raw_args = f.raw("args", [])
+    if isinstance(raw_args, str):
+        args = tuple(shlex.split(raw_args))
+    elif isinstance(raw_args, (list, tuple)) and all(
+        isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in raw_args
+    ):
+        args = tuple(str(a) for a in raw_args)
+    else:
+        raise f.error("args", f"expected a list of vLLM command-line arguments, got {_show(raw_args)}")
+    return EngineSpec(
+        model=f.string("model"),
+        args=args,
+        max_model_len=f.integer("max_model_len", minimum=16),
+        block_size=f.integer("block_size", minimum=1),
+        dtype=f.string("dtype", choices=DTYPES),
+    )
+
+
+def _parse_size(f: _Fields, key: str, default: int) -> int:
+    """Bytes as an integer or a size string: '512MB' (powers of 1000), '2GiB' (of 1024)."""
+    raw = f.data.get(key)
+    if raw is None:
+        return default
+    match = _SIZE_RE.match(raw) if isinstance(raw, str) else None
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        value = raw
+    elif match:
+        number, unit, binary = match.group(1), (match.group(2) or "").lower(), match.group(3)
+        power = " kmgt".index(unit) if unit else 0
+        value = int(float(number) * (1024 if binary else 1000) ** power)
+    else:
+        raise f.error(key, f"expected bytes or a size like '2GiB' or '512MB', got {_show(raw)}")
+    if value < 1:
+        raise f.error(key, f"expected a size >= 1 byte, got {_show(raw)}")
+    return value
+
+
+def _parse_kv(f: _Fields) -> KVSpec:
+    return KVSpec(
+        enabled=f.boolean("enabled", True),
+        k=f.integer("k", 4, minimum=1, maximum=32),
+        m=f.integer("m", 2, minimum=0, maximum=32),
+        store_max_bytes=_parse_size(f, "store_max_bytes", 1 << 30),
+        ttl_seconds=f.number("ttl_seconds", 3600.0, positive=True),
+    )

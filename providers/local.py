@@ -1,0 +1,694 @@
+"""The `local` cloud: replicas are real local processes in simulated zones.
+
+One region ("local") with zones (default local-a, local-b, local-c), each with its own spot
+and on-demand price. `launch()` runs `request.command` as a detached process group (its own
+session) with `os.environ | request.env`, output to `paths.logs_dir()/<replica>.<instance>.log`.
+Every process also gets SPOT_ORCHESTRATOR_INSTANCE_ID and SPOT_ORCHESTRATOR_LOCAL_NOTICE_FILE:
+the path where a notice for it appears as JSON {kind, action, deadline, time} (the local
+stand-in for a cloud's metadata endpoint, for the replica agent to poll).
+
+Ports: before starting, the provider substitutes these placeholders in every command
+argument and env value:
+    {port}        the engine's port: request.port, or a free port picked here
+    {agent_port}  a second free port, for the replica agent
+    {instance_id} the instance id
+Instance.endpoint = http://127.0.0.1:{port}, Instance.agent_endpoint = http://127.0.0.1:{agent_port}.
+
+Everything is on disk under `paths.home()/local-cloud/` (a JSON file per instance, zone
+prices, capacity limits), guarded by a file lock, so a restarted daemon, or a CLI process
+next to it (`spotctl chaos`), sees the same cloud. Liveness is checked on every read (pid
+alive, same process start time, not a zombie); a dead process reads as TERMINATED.
+
+Preemptions: `inject_notice()` records a notice (delivered once by `notices()`, by whichever
+provider object asks first) and kills the process group with SIGKILL at the deadline: a
+timer thread in this process, re-armed by every new LocalProvider for pending deadlines,
+and enforced on every read for deadlines that passed while nobody was running.
+
+Capacity: `set_capacity(zone, market, n)` caps the running instances of that market in that
+zone; a launch beyond it raises CapacityError (None = unlimited, the default).
+
+API:
+    LocalProvider(root=None, zones=None, accelerator="CPU", accelerator_count=1,
+                  instance_type="local-cpu", stop_timeout_s=5.0)
+    .offers(accelerator=None, count=None) -> list[Offer]
+    .launch(LaunchRequest) -> Instance           # idempotent on request.client_token
+    .terminate(instance_id)                       # SIGTERM group, SIGKILL after stop_timeout_s
+    .get(instance_id) -> Instance | None          # terminated ones read TERMINATED until pruned
+    .list(tags=None) -> list[Instance]            # includes TERMINATED ones (like EC2)
+    .notices() -> list[Notice]                    # each notice once
+    .inject_notice(instance_id, grace_s, kind=NoticeKind.PREEMPT) -> Notice
+    .preempt_zone(zone, grace_s, market=Market.SPOT) -> list[Notice]
+    .set_capacity(zone, market, n | None) / .capacity(zone, market) -> int | None
+    .set_price(zone, market, price) / .zones() -> dict[str, ZonePrices]
+    .locations() -> list[Location]
+    .log_path(instance_id) -> Path
+    .close()                                      # stops timers; instances keep running
+    configured_locations(root=None) -> list[Location]  # the zones, without a provider object
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from orchestrator import paths
+from providers.base import (
+    CapacityError,
+    Instance,
+    InstanceStatus,
+    LaunchRequest,
+    Location,
+    Market,
+    Notice,
+    NoticeKind,
+    Offer,
+    Provider,
+    ProviderError,
+)
+
+CLOUD = "local"
+REGION = "local"
+# Passed to every replica process: where a notice for it appears (the local IMDS), its id.
+NOTICE_FILE_ENV = "SPOT_ORCHESTRATOR_LOCAL_NOTICE_FILE"
+INSTANCE_ID_ENV = "SPOT_ORCHESTRATOR_INSTANCE_ID"
+TERMINATED_RETENTION_S = 3600.0  # like EC2, terminated instances stay listed for a while
+_KILLING_NOTICES = (NoticeKind.PREEMPT, NoticeKind.MAINTENANCE)  # a rebalance only warns
+
+
+@dataclasses.dataclass(frozen=True)
+class ZonePrices:
+    spot: float
+    on_demand: float
+
+
+# Spot well below on-demand, and different per zone so that price-aware policies have a choice.
+DEFAULT_ZONES: dict[str, ZonePrices] = {
+    "local-a": ZonePrices(spot=0.30, on_demand=1.00),
+    "local-b": ZonePrices(spot=0.36, on_demand=1.00),
+    "local-c": ZonePrices(spot=0.42, on_demand=1.10),
+}
+
+
+def _default_root() -> Path:
+    return paths.home() / "local-cloud"
+
+
+def _zones_from_json(data: Mapping[str, Any]) -> dict[str, ZonePrices]:
+    return {zone: ZonePrices(float(p["spot"]), float(p["on_demand"])) for zone, p in data.items()}
+
+
+def configured_locations(root: Path | None = None) -> list[Location]:
+    """The local cloud's zones (as last configured by a LocalProvider), without starting one."""
+    path = (root or _default_root()) / "zones.json"
+    try:
+        zones = _zones_from_json(json.loads(path.read_text()))
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        zones = DEFAULT_ZONES
+    return [Location(CLOUD, REGION, zone) for zone in zones]
+
+
+# ---- processes (Linux /proc, with a portable fallback) ----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _ProcStat:
+    state: str
+    pgid: int
+    start_time: int  # clock ticks since boot: tells a reused pid from the original
+
+
+def _proc_stat(pid: int) -> _ProcStat | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the command name may contain spaces
+    return _ProcStat(state=fields[0], pgid=int(fields[2]), start_time=int(fields[19]))
+
+
+_HAVE_PROC = Path("/proc/self/stat").exists()
+_CHILDREN: dict[int, subprocess.Popen] = {}  # processes this interpreter started: reap them
+
+
+def _reap(pid: int) -> None:
+    child = _CHILDREN.get(pid)
+    if child is not None and child.poll() is not None:
+        del _CHILDREN[pid]
+
+
+def _pid_alive(pid: int, start_time: int | None) -> bool:
+    _reap(pid)
+    if not _HAVE_PROC:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    stat = _proc_stat(pid)
+    if stat is None or stat.state in ("Z", "X"):
+        return False
+    return start_time is None or stat.start_time == start_time
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group."""
+    if not _HAVE_PROC:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            stat = _proc_stat(int(entry.name))
+            if stat is not None and stat.pgid == pgid and stat.state not in ("Z", "X"):
+                members.append(int(entry.name))
+    return members
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    if pgid <= 1 or pgid == os.getpgrp():  # never signal ourselves or init, whatever a record says
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _reap(pgid)
+        if not _group_members(pgid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _kill_group(pgid: int, stop_timeout_s: float) -> None:
+    """SIGTERM the whole group, SIGKILL what is left after stop_timeout_s; wait until empty."""
+    _signal_group(pgid, signal.SIGTERM)
+    if not _wait_group_gone(pgid, stop_timeout_s):
+        _signal_group(pgid, signal.SIGKILL)
+        _wait_group_gone(pgid, 10.0)
+
+
+def _free_port(avoid: set[int]) -> int:
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in avoid:
+            return port
+
+
+def _substitute(text: str, values: Mapping[str, str]) -> str:
+    # str.replace, not str.format: commands carry JSON (e.g. --kv-transfer-config '{...}').
+    for key, value in values.items():
+        text = text.replace("{" + key + "}", value)
+    return text
+
+
+# ---- the on-disk registry ---------------------------------------------------------------
+
+
+class _Registry:
+    """The local cloud's state: one JSON file per instance plus zones and capacity, all
+    read-modify-written under one exclusive file lock (shared by every process)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.instances_dir = root / "instances"
+        self.instances_dir.mkdir(parents=True, exist_ok=True)
+        self.notices_dir = root / "notices"  # what each replica sees (its local "IMDS")
+        self.notices_dir.mkdir(exist_ok=True)
+        self._lock_path = root / "lock"
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        # A fresh open file description per call, so threads of one process exclude each
+        # other too. Not reentrant: never nest.
+        with open(self._lock_path, "a+") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def write_path(self, path: Path, data: Any) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)  # atomic: a reader never sees half a file
+
+    def read_json(self, name: str, default: Any) -> Any:
+        try:
+            return json.loads((self.root / name).read_text())
+        except (FileNotFoundError, ValueError):
+            return default
+
+    def write_json(self, name: str, data: Any) -> None:
+        self.write_path(self.root / name, data)
+
+    def instance(self, instance_id: str) -> dict[str, Any] | None:
+        if "/" in instance_id or not instance_id:
+            return None
+        try:
+            return json.loads((self.instances_dir / f"{instance_id}.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def instances(self) -> builtins.list[dict[str, Any]]:
+        out = []
+        for path in sorted(self.instances_dir.glob("*.json")):
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                out.append(json.loads(path.read_text()))
+        return out
+
+    def save(self, record: dict[str, Any]) -> None:
+        self.write_path(self.instances_dir / f"{record['instance_id']}.json", record)
+
+    def remove(self, instance_id: str) -> None:
+        for path in (self.instances_dir / f"{instance_id}.json", self.notice_file(instance_id)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def notice_file(self, instance_id: str) -> Path:
+        return self.notices_dir / f"{instance_id}.json"
+
+
+class LocalProvider(Provider):
+    """The `local` cloud (see the module docstring)."""
+
+    name = CLOUD
+
+    def __init__(
+        self,
+        root: Path | None = None,
+        zones: Mapping[str, ZonePrices] | Sequence[str] | None = None,
+        *,
+        accelerator: str = "CPU",
+        accelerator_count: int = 1,
+        instance_type: str = "local-cpu",
+        stop_timeout_s: float = 5.0,
+    ):
+        self.root = Path(root) if root is not None else _default_root()
+        self.accelerator = accelerator
+        self.accelerator_count = accelerator_count
+        self.instance_type = instance_type
+        self.stop_timeout_s = stop_timeout_s
+        self._registry = _Registry(self.root)
+        self._timers: dict[str, threading.Timer] = {}
+        self._timers_lock = threading.Lock()
+        self._closed = False
+        with self._registry.locked():
+            if zones is not None:
+                self._registry.write_json("zones.json", _zones_to_json(_normalize_zones(zones)))
+            elif self._registry.read_json("zones.json", None) is None:
+                self._registry.write_json("zones.json", _zones_to_json(DEFAULT_ZONES))
+            pending = [r for r in self._registry.instances() if _pending_kill(r)]
+        for record in pending:  # a restarted daemon still kills at the deadlines set before
+            self._arm_timer(record["instance_id"], record["notice"]["deadline"])
+
+    # ---- zones, prices, capacity ----------------------------------------------------
+
+    def zones(self) -> dict[str, ZonePrices]:
+        return _zones_from_json(self._registry.read_json("zones.json", _zones_to_json(DEFAULT_ZONES)))
+
+    def locations(self) -> builtins.list[Location]:
+        return [Location(CLOUD, REGION, zone) for zone in self.zones()]
+
+    def set_price(self, zone: str, market: Market, price: float) -> None:
+        with self._registry.locked():
+            zones = self._check_zone(zone)
+            old = zones[zone]
+            zones[zone] = dataclasses.replace(old, **{_price_field(Market(market)): float(price)})
+            self._registry.write_json("zones.json", _zones_to_json(zones))
+
+    def set_capacity(self, zone: str, market: Market, n: int | None) -> None:
+        """Cap running instances of `market` in `zone` at n (None: unlimited)."""
+        with self._registry.locked():
+            self._check_zone(zone)
+            caps = self._registry.read_json("capacity.json", {})
+            caps.setdefault(zone, {})[Market(market).value] = n
+            self._registry.write_json("capacity.json", caps)
+
+    def capacity(self, zone: str, market: Market) -> int | None:
+        return self._registry.read_json("capacity.json", {}).get(zone, {}).get(Market(market).value)
+
+    def offers(self, accelerator: str | None = None, count: int | None = None) -> builtins.list[Offer]:
+        if accelerator is not None and accelerator.lower() != self.accelerator.lower():
+            return []
+        if count is not None and count != self.accelerator_count:
+            return []
+        now = time.time()
+        return [
+            Offer(
+                location=Location(CLOUD, REGION, zone),
+                instance_type=self.instance_type,
+                accelerator=self.accelerator,
+                accelerator_count=self.accelerator_count,
+                market=market,
+                price_per_hour=getattr(prices, _price_field(market)),
+                observed_at=now,
+            )
+            for zone, prices in self.zones().items()
+            for market in (Market.SPOT, Market.ON_DEMAND)
+        ]
+
+    def _check_zone(self, zone: str) -> dict[str, ZonePrices]:
+        zones = self.zones()
+        if zone not in zones:
+            raise ProviderError(f"the local cloud has no zone {zone!r}; zones: {', '.join(zones)}")
+        return zones
+
+    # ---- instances ----------------------------------------------------------------
+
+    def launch(self, request: LaunchRequest) -> Instance:
+        market = Market(request.market)
+        loc = request.location
+        with self._registry.locked():
+            for record in self._registry.instances():
+                if record["client_token"] == request.client_token:
+                    return self._observe(record)  # idempotent, like EC2's ClientToken
+            if loc.cloud != CLOUD or loc.region != REGION:
+                raise ProviderError(f"the local cloud cannot launch in {loc}: use {CLOUD}/{REGION}/<zone>")
+            zones = self._check_zone(loc.zone)
+            running = [
+                r
+                for r in self._registry.instances()
+                if self._observe(r).status is not InstanceStatus.TERMINATED
+            ]
+            cap = self.capacity(loc.zone, market)
+            in_zone = sum(1 for r in running if r["zone"] == loc.zone and r["market"] == market.value)
+            if cap is not None and in_zone >= cap:
+                raise CapacityError(
+                    f"no {market.value} capacity in {loc} ({in_zone} running, capacity {cap})", loc, market
+                )
+            if not request.command:
+                raise ProviderError(f"launch of {request.replica_id}: the request has no command to run")
+            record = self._start(request, market, zones[loc.zone], {p for r in running for p in _ports(r)})
+            self._registry.save(record)
+            return self._instance(record, InstanceStatus.RUNNING)
+
+    def _start(
+        self, request: LaunchRequest, market: Market, prices: ZonePrices, used: set[int]
+    ) -> dict[str, Any]:
+        instance_id = f"local-{secrets.token_hex(4)}"
+        port = request.port or _free_port(used)
+        agent_port = _free_port(used | {port})
+        values = {"port": str(port), "agent_port": str(agent_port), "instance_id": instance_id}
+        notice_file = self._registry.notice_file(instance_id)
+        env = {
+            **os.environ,
+            **{k: _substitute(str(v), values) for k, v in request.env.items()},
+            NOTICE_FILE_ENV: str(notice_file),
+            INSTANCE_ID_ENV: instance_id,
+        }
+        command = [_substitute(str(arg), values) for arg in request.command]
+        log_path = paths.logs_dir() / f"{request.replica_id}.{instance_id}.log"
+        with open(log_path, "ab") as log:
+            try:
+                proc = subprocess.Popen(
+                    command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: terminate kills all of it
+                    close_fds=True,
+                )
+            except OSError as err:
+                raise ProviderError(
+                    f"launch of {request.replica_id}: cannot run {command[0]!r}: {err.strerror}"
+                ) from None
+        _CHILDREN[proc.pid] = proc
+        stat = _proc_stat(proc.pid)
+        return {
+            "instance_id": instance_id,
+            "client_token": request.client_token,
+            "cloud": CLOUD,
+            "region": REGION,
+            "zone": request.location.zone,
+            "market": market.value,
+            "instance_type": request.instance_type or self.instance_type,
+            "tags": request.all_tags(),
+            "pid": proc.pid,
+            "pgid": proc.pid,
+            "start_time": stat.start_time if stat else None,
+            "port": port,
+            "agent_port": agent_port,
+            "command": command,
+            "log_path": str(log_path),
+            "launched_at": time.time(),
+            "price_per_hour": getattr(prices, _price_field(market)),
+            "status": "running",
+            "terminated_at": None,
+            "reason": "",
+            "notice": None,
+        }
+
+    def terminate(self, instance_id: str) -> None:
+        with self._registry.locked():
+            record = self._registry.instance(instance_id)
+            if record is None or record["status"] == "terminated":
+                return
+            record["status"] = "stopping"
+            self._registry.save(record)
+        self._cancel_timer(instance_id)
+        # Outside the lock: stopping may take stop_timeout_s and others must not wait for it.
+        if _pid_alive(record["pid"], record["start_time"]) or _group_members(record["pgid"]):
+            _kill_group(record["pgid"], self.stop_timeout_s)
+        with self._registry.locked():
+            record = self._registry.instance(instance_id)
+            if record is not None and record["status"] != "terminated":
+                self._mark_terminated(record, "terminated")
+
+    def get(self, instance_id: str) -> Instance | None:
+        self._enforce_deadlines()
+        with self._registry.locked():
+            record = self._registry.instance(instance_id)
+            return self._observe(record) if record is not None else None
+
+    def list(self, tags: dict[str, str] | None = None) -> builtins.list[Instance]:
+        self._enforce_deadlines()
+        wanted = tags or {}
+        now = time.time()
+        out = []
+        with self._registry.locked():
+            for record in self._registry.instances():
+                if (
+                    record["status"] == "terminated"
+                    and now - (record["terminated_at"] or now) > TERMINATED_RETENTION_S
+                ):
+                    self._registry.remove(record["instance_id"])
+                    continue
+                if all(record["tags"].get(k) == v for k, v in wanted.items()):
+                    out.append(self._observe(record))
+        return out
+
+    def log_path(self, instance_id: str) -> Path:
+        record = self._registry.instance(instance_id)
+        if record is None:
+            raise ProviderError(f"no local instance {instance_id!r}")
+        return Path(record["log_path"])
+
+    def _observe(self, record: dict[str, Any]) -> Instance:
+        """The instance as it is now; a process found dead is recorded as terminated.
+        Call with the registry lock held."""
+        if record["status"] != "terminated" and not _pid_alive(record["pid"], record["start_time"]):
+            # The "machine" is its leader process: when that exits, the instance is gone, and
+            # so must be whatever it left behind in its group (e.g. vLLM's engine process).
+            _signal_group(record["pgid"], signal.SIGKILL)
+            _wait_group_gone(record["pgid"], 10.0)
+            self._mark_terminated(record, "exited")
+        status = {
+            "running": InstanceStatus.RUNNING,
+            "stopping": InstanceStatus.STOPPING,
+            "terminated": InstanceStatus.TERMINATED,
+        }[record["status"]]
+        return self._instance(record, status)
+
+    def _mark_terminated(self, record: dict[str, Any], reason: str) -> None:
+        record.update(status="terminated", terminated_at=time.time(), reason=record["reason"] or reason)
+        self._registry.save(record)
+
+    def _instance(self, record: dict[str, Any], status: InstanceStatus) -> Instance:
+        return Instance(
+            instance_id=record["instance_id"],
+            location=Location(record["cloud"], record["region"], record["zone"]),
+            market=Market(record["market"]),
+            instance_type=record["instance_type"],
+            status=status,
+            tags=dict(record["tags"]),
+            endpoint=f"http://127.0.0.1:{record['port']}",
+            agent_endpoint=f"http://127.0.0.1:{record['agent_port']}",
+            launched_at=record["launched_at"],
+            price_per_hour=record["price_per_hour"],
+        )
+
+    # ---- preemptions ----------------------------------------------------------------
+
+    def inject_notice(
+        self, instance_id: str, grace_s: float, kind: NoticeKind = NoticeKind.PREEMPT
+    ) -> Notice:
+        """Warn the instance; a preempt (or maintenance) notice kills it at now + grace_s."""
+        kind = NoticeKind(kind)
+        now = time.time()
+        deadline = now + max(0.0, float(grace_s))
+        with self._registry.locked():
+            record = self._registry.instance(instance_id)
+            if record is None or self._observe(record).status is not InstanceStatus.RUNNING:
+                raise ProviderError(f"no running local instance {instance_id!r}")
+            if _pending_kill(record):  # a second notice never postpones the first one's kill
+                deadline = min(deadline, record["notice"]["deadline"])
+                if kind not in _KILLING_NOTICES:
+                    kind = NoticeKind(record["notice"]["kind"])
+            record["notice"] = {
+                "kind": kind.value,
+                "deadline": deadline,
+                "received_at": now,
+                "delivered": False,
+            }
+            self._registry.save(record)
+            # What the replica's agent polls: the local stand-in for the cloud's metadata service.
+            self._registry.write_path(
+                self._registry.notice_file(instance_id),
+                {"kind": kind.value, "action": "terminate", "deadline": deadline, "time": _rfc3339(deadline)},
+            )
+        if kind in _KILLING_NOTICES:
+            self._arm_timer(instance_id, deadline)
+        return Notice(instance_id=instance_id, kind=kind, deadline=deadline, source="local", received_at=now)
+
+    def preempt_zone(self, zone: str, grace_s: float, market: Market = Market.SPOT) -> builtins.list[Notice]:
+        """A correlated preemption: notices to every running `market` instance in `zone`."""
+        self._check_zone(zone)
+        victims = [
+            i.instance_id
+            for i in self.list()
+            if i.location.zone == zone and i.market is Market(market) and i.status is InstanceStatus.RUNNING
+        ]
+        return [self.inject_notice(instance_id, grace_s) for instance_id in victims]
+
+    def notices(self) -> builtins.list[Notice]:
+        """Notices not yet delivered to any LocalProvider (each is returned exactly once)."""
+        self._enforce_deadlines()
+        out = []
+        with self._registry.locked():
+            for record in self._registry.instances():
+                notice = record.get("notice")
+                if notice and not notice["delivered"]:
+                    notice["delivered"] = True
+                    self._registry.save(record)
+                    out.append(
+                        Notice(
+                            instance_id=record["instance_id"],
+                            kind=NoticeKind(notice["kind"]),
+                            deadline=notice["deadline"],
+                            source="local",
+                            received_at=notice["received_at"],
+                        )
+                    )
+        return out
+
+    def _enforce_deadlines(self) -> None:
+        """Kill instances whose notice deadline passed (also those no timer was armed for)."""
+        now = time.time()
+        due = [
+            r["instance_id"]
+            for r in self._registry.instances()
+            if _pending_kill(r) and r["notice"]["deadline"] <= now
+        ]
+        for instance_id in due:
+            self._kill_if_due(instance_id)
+
+    def _kill_if_due(self, instance_id: str) -> None:
+        with self._registry.locked():
+            record = self._registry.instance(instance_id)
+            if record is None or not _pending_kill(record) or record["notice"]["deadline"] > time.time():
+                return
+            # The cloud reclaims the machine: no SIGTERM, no grace beyond the notice.
+            _signal_group(record["pgid"], signal.SIGKILL)
+            _wait_group_gone(record["pgid"], 10.0)
+            record["reason"] = "preempted"
+            self._mark_terminated(record, "preempted")
+        self._cancel_timer(instance_id)
+
+    def _arm_timer(self, instance_id: str, deadline: float) -> None:
+        with self._timers_lock:
+            if self._closed:
+                return
+            old = self._timers.pop(instance_id, None)
+            if old is not None:
+                old.cancel()
+            timer = threading.Timer(max(0.0, deadline - time.time()), self._kill_if_due, args=(instance_id,))
+            timer.daemon = True
+            timer.name = f"local-preempt-{instance_id}"
+            self._timers[instance_id] = timer
+            timer.start()
+
+    def _cancel_timer(self, instance_id: str) -> None:
+        with self._timers_lock:
+            timer = self._timers.pop(instance_id, None)
+        if timer is not None and timer is not threading.current_thread():
+            timer.cancel()
+
+    def close(self) -> None:
+        """Stop this object's timers. Instances keep running (a restarted daemon finds them
+        and re-arms their deadlines)."""
+        with self._timers_lock:
+            self._closed = True
+            timers, self._timers = builtins.list(self._timers.values()), {}
+        for timer in timers:
+            timer.cancel()
+
+
+def _pending_kill(record: dict[str, Any]) -> bool:
+    notice = record.get("notice")
+    return (
+        bool(notice) and record["status"] != "terminated" and NoticeKind(notice["kind"]) in _KILLING_NOTICES
+    )
+
+
+def _ports(record: dict[str, Any]) -> set[int]:
+    return {record["port"], record["agent_port"]}
+
+
+def _price_field(market: Market) -> str:
+    return "spot" if market is Market.SPOT else "on_demand"
+
+
+def _normalize_zones(zones: Mapping[str, ZonePrices] | Sequence[str]) -> dict[str, ZonePrices]:
+    if isinstance(zones, Mapping):
+        out = dict(zones)
+    else:  # names only: staggered prices so the zones still differ
+        out = {
+            zone: ZonePrices(spot=round(0.30 + 0.06 * i, 2), on_demand=1.00) for i, zone in enumerate(zones)
+        }
+    if not out:
+        raise ProviderError("the local cloud needs at least one zone")
+    return out
+
+
+def _zones_to_json(zones: Mapping[str, ZonePrices]) -> dict[str, dict[str, float]]:
+    return {zone: dataclasses.asdict(p) for zone, p in zones.items()}
+
+
+def _rfc3339(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
