@@ -1,0 +1,349 @@
+"""AWS through boto3: spot and on-demand GPU instances, spot prices, EventBridge notices.
+
+Offers: the latest `describe_spot_price_history` quote per AZ and type (on-demand prices come
+from the v8 catalog; AWS prices on-demand per region). Launches carry an idempotent ClientToken
+and are also de-duplicated by the replica tag, so a retried launch never makes a second VM.
+Interruption warnings and rebalance recommendations arrive through an optional SQS queue that
+an EventBridge rule feeds. botocore's own retries are off: `orchestrator.retry` is the one backoff.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime as dt
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError
+
+from orchestrator.catalog import Catalog, accelerator_for, gpu_instance_types, load_catalog
+from providers.base import (
+    TAG_MANAGED,
+    TAG_REPLICA,
+    TAG_SERVICE,
+    AuthError,
+    CapacityError,
+    Instance,
+    InstanceStatus,
+    LaunchRequest,
+    Location,
+    Market,
+    NotFoundError,
+    Notice,
+    NoticeKind,
+    Offer,
+    Provider,
+    ProviderError,
+    QuotaError,
+    TransientError,
+)
+from providers import sdk
+
+log = logging.getLogger(__name__)
+
+TAG_PORT = "spot-orchestrator-port"
+LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
+SPOT_WARNING = "EC2 Spot Instance Interruption Warning"
+REBALANCE = "EC2 Instance Rebalance Recommendation"
+DEFAULT_AMI_NAME = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04)*"
+SPOT_NOTICE_S = 120  # AWS's interruption warning comes two minutes ahead
+
+_CAPACITY = {"InsufficientInstanceCapacity", "InsufficientHostCapacity", "InsufficientCapacity",
+             "SpotMaxPriceTooLow", "InsufficientReservedInstanceCapacity", "Unsupported",
+             "capacity-not-available", "InsufficientFreeAddressesInSubnet"}
+_QUOTA = {"InstanceLimitExceeded", "VcpuLimitExceeded", "MaxSpotInstanceCountExceeded",
+          "SpotInstanceLimitExceeded"}
+_TRANSIENT = {"RequestLimitExceeded", "Throttling", "ThrottlingException", "ServiceUnavailable",
+              "InternalError", "Unavailable", "RequestTimeout", "IncorrectState"}
+_AUTH = {"AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId", "ExpiredToken",
+         "SignatureDoesNotMatch", "OptInRequired", "UnrecognizedClientException", "AccessDenied"}
+_NOT_FOUND = {"InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"}
+_HOW_TO_AUTH = "configure AWS credentials with `aws configure`, AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+
+
+def map_error(err: Exception, location: Location | None = None, market: Market | None = None) -> ProviderError:
+    """The one place AWS errors become typed errors."""
+    if isinstance(err, ProviderError):
+        return err
+    if isinstance(err, (NoCredentialsError, PartialCredentialsError)):
+        return AuthError(f"aws: no usable credentials ({err}); {_HOW_TO_AUTH}")
+    if isinstance(err, ClientError):
+        code = err.response.get("Error", {}).get("Code", "")
+        message = f"aws {code}: {err.response.get('Error', {}).get('Message', '')}".strip()
+        if code in _CAPACITY:
+            return CapacityError(message, location=location, market=market)
+        if code in _QUOTA:
+            return QuotaError(message)
+        if code in _TRANSIENT or err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500:
+            return TransientError(message)
+        if code in _AUTH:
+            return AuthError(f"{message}; {_HOW_TO_AUTH}")
+        if code in _NOT_FOUND:
+            return NotFoundError(message)
+        return ProviderError(message)
+    if isinstance(err, BotoCoreError):  # connection errors, timeouts
+        return TransientError(f"aws: {err}")
+    return ProviderError(f"aws: {type(err).__name__}: {err}")
+
+
+def _region_of_zone(zone: str) -> str:
+    return zone[:-1] if zone and zone[-1].isalpha() else zone
+
+
+def _parse_time(value) -> float:
+    if isinstance(value, dt.datetime):
+        return value.timestamp()
+    return dt.datetime.fromisoformat(str(value)).timestamp()
+
+
+class AWSProvider(Provider):
+    name = "aws"
+
+    def __init__(self, regions: list[str] | None = None, *, session: boto3.session.Session | None = None,
+                 endpoint_url: str | None = None, clients: dict[str, object] | None = None,
+                 image_id: str | None = None, sqs_queue_url: str | None = None, sqs_client=None,
+                 catalog: Catalog | None = None, subnet_ids: dict[str, str] | None = None,
+                 security_group_ids: list[str] | None = None, key_name: str | None = None,
+                 attempts: int = 5, sleep: Callable[[float], None] = time.sleep):
+        self._catalog = catalog or load_catalog("aws")
+        self.regions = regions or sorted({row.region for row in self._catalog.rows})
+        self._session = session or boto3.session.Session()
+        self._endpoint_url = endpoint_url
+        self._clients: dict[str, object] = dict(clients or {})
+        self._image_id = image_id
+        self._sqs_queue_url = sqs_queue_url
+        self._sqs = sqs_client
+        self._subnet_ids = subnet_ids or {}
+        self._security_group_ids = security_group_ids
+        self._key_name = key_name
+        self._attempts = attempts
+        self._sleep = sleep
+        self._region_of: dict[str, str] = {}  # instance id -> region, learnt from launch/list
+        self._zone_names: dict[str, str] = {}  # AZ id (use1-az1) -> this account's AZ name
+        self._seen_events: set[str] = set()
+        # botocore retries off (one backoff helper), and bounded timeouts (no hangs).
+        self._config = Config(retries={"total_max_attempts": 1}, connect_timeout=5, read_timeout=30)
+
+    # ---- plumbing ----------------------------------------------------------------------
+
+    def _ec2(self, region: str):
+        if region not in self._clients:
+            self._clients[region] = self._session.client("ec2", region_name=region, endpoint_url=self._endpoint_url,
+                                                         config=self._config)
+        return self._clients[region]
+
+    def _call(self, fn: Callable, location: Location | None = None, market: Market | None = None):
+        return sdk.call(fn, map_error, location, market, attempts=self._attempts, sleep=self._sleep)
+
+    # ---- prices ------------------------------------------------------------------------
+
+    def offers(self, accelerator: str | None = None, count: int | None = None) -> list[Offer]:
+        types = gpu_instance_types("aws", accelerator, count)
+        if not types:
+            return []
+        for region in self.regions:  # boto3 makes clients thread-unsafely; use them from threads
+            self._ec2(region)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(self.regions))) as pool:
+            per_region = list(pool.map(lambda region: self._region_offers(region, types), self.regions))
+        return [offer for offers in per_region for offer in offers]
+
+    def _region_offers(self, region: str, types: list[str]) -> list[Offer]:
+        client = self._ec2(region)
+
+        def fetch():
+            latest: dict[tuple[str, str], dict] = {}
+            pages = client.get_paginator("describe_spot_price_history").paginate(
+                InstanceTypes=types, ProductDescriptions=["Linux/UNIX"],
+                StartTime=dt.datetime.now(dt.UTC))
+            for page in pages:
+                for item in page.get("SpotPriceHistory", []):
+                    key = (item["AvailabilityZone"], item["InstanceType"])
+                    if key not in latest or _parse_time(item["Timestamp"]) > _parse_time(latest[key]["Timestamp"]):
+                        latest[key] = item
+            return latest
+
+        out = []
+        for (zone, itype), item in sorted(self._call(fetch).items()):
+            gpu = accelerator_for("aws", itype)
+            if gpu is None:
+                continue
+            location = Location("aws", region, zone)
+            observed = _parse_time(item["Timestamp"])
+            out.append(Offer(location, itype, gpu[0], gpu[1], Market.SPOT, float(item["SpotPrice"]), observed))
+            on_demand = self._catalog.on_demand_price(itype, region)
+            if on_demand is not None:
+                out.append(Offer(location, itype, gpu[0], gpu[1], Market.ON_DEMAND, on_demand,
+                                 self._catalog.observed_at))
+        return out
+
+    # ---- instances ---------------------------------------------------------------------
+
+    def launch(self, request: LaunchRequest) -> Instance:
+        region = request.location.region
+        existing = self.list({TAG_SERVICE: request.service, TAG_REPLICA: request.replica_id})
+        if existing:  # a retried launch after the token expired, or after a daemon restart
+            return existing[0]
+        tags = request.all_tags()
+        if request.port is not None:
+            tags[TAG_PORT] = str(request.port)
+        params = {
+            "ImageId": self._image_id or self._default_image(region),
+            "InstanceType": request.instance_type,
+            "MinCount": 1,
+            "MaxCount": 1,
+            "ClientToken": request.client_token,
+            "Placement": {"AvailabilityZone": self._zone_name(region, request.location.zone)},
+            "UserData": sdk.startup_script(request),
+            "TagSpecifications": [{"ResourceType": "instance",
+                                   "Tags": [{"Key": k, "Value": v} for k, v in sorted(tags.items())]}],
+        }
+        if request.market is Market.SPOT:
+            params["InstanceMarketOptions"] = {
+                "MarketType": "spot",
+                "SpotOptions": {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"},
+            }
+        if request.location.zone in self._subnet_ids:
+            params["SubnetId"] = self._subnet_ids[request.location.zone]
+        if self._security_group_ids:
+            params["SecurityGroupIds"] = self._security_group_ids
+        if self._key_name:
+            params["KeyName"] = self._key_name
+        ec2 = self._ec2(region)
+        reply = self._call(lambda: ec2.run_instances(**params), request.location, request.market)
+        instance = self._to_instance(reply["Instances"][0], region)
+        self._region_of[instance.instance_id] = region
+        return instance
+
+    def _zone_name(self, region: str, zone: str) -> str:
+        """An AZ name for run_instances; SkyPilot's catalogs (the offline snapshot) use AZ ids."""
+        if not re.fullmatch(r"[a-z]+\d+-az\d+", zone):
+            return zone
+        if zone not in self._zone_names:
+            ec2 = self._ec2(region)
+            reply = self._call(lambda: ec2.describe_availability_zones(ZoneIds=[zone]))
+            zones = reply.get("AvailabilityZones", [])
+            if not zones:
+                raise ProviderError(f"aws {region}: no availability zone with id {zone}")
+            self._zone_names[zone] = zones[0]["ZoneName"]
+        return self._zone_names[zone]
+
+    def _default_image(self, region: str) -> str:
+        ec2 = self._ec2(region)
+        wanted = [{"Name": "name", "Values": [DEFAULT_AMI_NAME]}]
+        reply = self._call(lambda: ec2.describe_images(Owners=["amazon"], Filters=wanted))
+        images = sorted(reply.get("Images", []), key=lambda im: im.get("CreationDate", ""))
+        if not images:
+            raise ProviderError(f"aws {region}: no Deep Learning GPU AMI found; pass image_id=")
+        return images[-1]["ImageId"]
+
+    def get(self, instance_id: str) -> Instance | None:
+        regions = [self._region_of[instance_id]] if instance_id in self._region_of else self.regions
+        for region in regions:
+            ec2 = self._ec2(region)
+            try:
+                reply = self._call(lambda ec2=ec2: ec2.describe_instances(InstanceIds=[instance_id]))
+            except NotFoundError:
+                continue
+            for reservation in reply.get("Reservations", []):
+                for item in reservation.get("Instances", []):
+                    instance = self._to_instance(item, region)
+                    # A terminated instance stays listed for an hour; for us it no longer exists.
+                    return None if instance.status is InstanceStatus.TERMINATED else instance
+        return None
+
+    def list(self, tags: dict[str, str] | None = None) -> list[Instance]:
+        wanted = tags or {TAG_MANAGED: "true"}
+        filters = [{"Name": f"tag:{k}", "Values": [v]} for k, v in sorted(wanted.items())]
+        filters.append({"Name": "instance-state-name", "Values": LIVE_STATES})
+        out = []
+        for region in self.regions:
+            ec2 = self._ec2(region)
+
+            def fetch(ec2=ec2):
+                pages = ec2.get_paginator("describe_instances").paginate(Filters=filters)
+                return [item for page in pages for r in page.get("Reservations", []) for item in r["Instances"]]
+
+            for item in self._call(fetch):
+                instance = self._to_instance(item, region)
+                self._region_of[instance.instance_id] = region
+                out.append(instance)
+        return out
+
+    def terminate(self, instance_id: str) -> None:
+        regions = [self._region_of[instance_id]] if instance_id in self._region_of else self.regions
+        for region in regions:
+            ec2 = self._ec2(region)
+            try:
+                self._call(lambda ec2=ec2: ec2.terminate_instances(InstanceIds=[instance_id]))
+                return
+            except NotFoundError:
+                continue
+
+    def _to_instance(self, item: dict, region: str) -> Instance:
+        tags = {t["Key"]: t["Value"] for t in item.get("Tags", [])}
+        state = item.get("State", {}).get("Name", "pending")
+        status = {"pending": InstanceStatus.PENDING, "running": InstanceStatus.RUNNING,
+                  "stopping": InstanceStatus.STOPPING, "stopped": InstanceStatus.STOPPING,
+                  "shutting-down": InstanceStatus.STOPPING}.get(state, InstanceStatus.TERMINATED)
+        host = item.get("PublicIpAddress") or item.get("PrivateIpAddress")
+        port = tags.get(TAG_PORT)
+        zone = item.get("Placement", {}).get("AvailabilityZone", "")
+        launched = item.get("LaunchTime")
+        return Instance(
+            instance_id=item["InstanceId"],
+            location=Location("aws", region or _region_of_zone(zone), zone),
+            market=Market.SPOT if item.get("InstanceLifecycle") == "spot" else Market.ON_DEMAND,
+            instance_type=item.get("InstanceType", ""),
+            status=status,
+            tags=tags,
+            endpoint=f"http://{host}:{port}" if host and port else None,
+            launched_at=_parse_time(launched) if launched else time.time(),
+        )
+
+    # ---- notices -------------------------------------------------------------------------
+
+    def notices(self) -> list[Notice]:
+        """Interruption warnings and rebalance recommendations from the EventBridge-fed queue."""
+        if not self._sqs_queue_url:
+            return []
+        if self._sqs is None:
+            region = self._sqs_queue_url.split(".")[1] if ".amazonaws.com" in self._sqs_queue_url else self.regions[0]
+            self._sqs = self._session.client("sqs", region_name=region, endpoint_url=self._endpoint_url,
+                                             config=self._config)
+        sqs = self._sqs
+        reply = self._call(lambda: sqs.receive_message(QueueUrl=self._sqs_queue_url, MaxNumberOfMessages=10,
+                                                       WaitTimeSeconds=0))
+        out = []
+        for message in reply.get("Messages", []):
+            notice = parse_event(message.get("Body", ""))
+            event_key = message.get("MessageId", "")
+            if notice is not None and event_key not in self._seen_events:
+                self._seen_events.add(event_key)
+                out.append(notice)
+            # Handled or malformed: either way it must not come back forever.
+            self._call(lambda m=message: sqs.delete_message(QueueUrl=self._sqs_queue_url,
+                                                            ReceiptHandle=m["ReceiptHandle"]))
+        return out
+
+
+def parse_event(body: str) -> Notice | None:
+    """An EventBridge EC2 event (as SQS delivers it) -> Notice; None for anything else."""
+    try:
+        event = json.loads(body)
+        kind = {SPOT_WARNING: NoticeKind.PREEMPT, REBALANCE: NoticeKind.REBALANCE}.get(event.get("detail-type"))
+        instance_id = event["detail"]["instance-id"]
+        at = _parse_time(event["time"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        log.warning("aws notices: ignoring a malformed queue message: %.200s", body)
+        return None
+    if kind is None:
+        return None
+    # The warning is two minutes ahead; a rebalance recommendation has no deadline of its
+    # own, so give it the same horizon (it usually precedes the warning).
+    return Notice(instance_id=instance_id, kind=kind, deadline=at + SPOT_NOTICE_S, source=f"aws:{event['detail-type']}")
+

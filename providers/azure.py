@@ -1,0 +1,331 @@
+"""Azure through azure-mgmt-compute: Spot GPU VMs, tags, and prices from the Retail Prices API.
+
+Instance ids are VM names (all VMs live in one resource group). A VM creates its own NIC and
+public IP from `subnet_id` (network_api_version), so azure-mgmt-network is not needed. The
+Retail Prices API is public (no credentials): its pages are followed via NextPageLink, and
+Windows and Low Priority meters are dropped. azure-core's own retries are off:
+`orchestrator.retry` is the one backoff. Azure has no control-plane eviction feed; evictions
+are seen by the replica's Scheduled Events watcher (orchestrator/watchers.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable
+
+import requests
+from azure.core.exceptions import (
+    ClientAuthenticationError,
+    HttpResponseError,
+    ResourceNotFoundError,
+    ServiceRequestError,
+    ServiceResponseError,
+)
+from azure.mgmt.compute import ComputeManagementClient
+from azure.mgmt.compute import models as m
+
+from orchestrator.catalog import Catalog, accelerator_for, gpu_instance_types, load_catalog
+from providers.base import (
+    TAG_MANAGED,
+    AuthError,
+    CapacityError,
+    Instance,
+    InstanceStatus,
+    LaunchRequest,
+    Location,
+    Market,
+    NotFoundError,
+    Offer,
+    Provider,
+    ProviderError,
+    QuotaError,
+    TransientError,
+)
+from providers import sdk
+
+log = logging.getLogger(__name__)
+
+RETAIL_PRICES_URL = "https://prices.azure.com/api/retail/prices"
+DEFAULT_IMAGE = {"publisher": "Canonical", "offer": "0001-com-ubuntu-server-jammy", "sku": "22_04-lts-gen2",
+                 "version": "latest"}
+NETWORK_API_VERSION = "2022-11-01"
+TAG_PORT = "spot-orchestrator-port"
+_CAPACITY = {"SkuNotAvailable", "AllocationFailed", "ZonalAllocationFailed", "OverconstrainedAllocationRequest",
+             "OverconstrainedZonalAllocationRequest", "SpotCapacityNotAvailable"}
+_QUOTA = {"QuotaExceeded", "OperationNotAllowed", "SkuQuotaExceeded"}
+_HOW_TO_AUTH = ("configure Azure credentials with `az login` (or AZURE_CLIENT_ID/AZURE_TENANT_ID/"
+                "AZURE_CLIENT_SECRET) and set AZURE_SUBSCRIPTION_ID")
+
+
+def map_error(err: Exception, location: Location | None = None, market: Market | None = None) -> ProviderError:
+    """The one place Azure SDK and Retail Prices errors become typed errors."""
+    if isinstance(err, ProviderError):
+        return err
+    if isinstance(err, ClientAuthenticationError):
+        return AuthError(f"azure: {err}; {_HOW_TO_AUTH}")
+    if isinstance(err, ResourceNotFoundError):
+        return NotFoundError(f"azure: {err.message if hasattr(err, 'message') else err}")
+    if isinstance(err, HttpResponseError):
+        code = getattr(err.error, "code", None) or ""
+        message = f"azure {code}: {getattr(err.error, 'message', None) or err.message}".strip()
+        if code in _CAPACITY:
+            return CapacityError(message, location=location, market=market)
+        if code in _QUOTA:
+            return QuotaError(message)
+        status = err.status_code or 0
+        if status == 429 or status >= 500:
+            return TransientError(message)
+        if status in (401, 403) or code in ("AuthorizationFailed", "InvalidAuthenticationToken"):
+            return AuthError(f"{message}; {_HOW_TO_AUTH}")
+        return ProviderError(message)
+    if isinstance(err, ServiceRequestError | ServiceResponseError | requests.ConnectionError | requests.Timeout):
+        return TransientError(f"azure: {err}")
+    if isinstance(err, requests.HTTPError):
+        status = err.response.status_code if err.response is not None else 0
+        return TransientError(f"azure prices: HTTP {status}") if status == 429 or status >= 500 \
+            else ProviderError(f"azure prices: HTTP {status}")
+    return ProviderError(f"azure: {type(err).__name__}: {err}")
+
+
+def vm_name(request: LaunchRequest) -> str:
+    """A valid, deterministic Linux VM name for the replica (letters, digits, hyphens; <= 64)."""
+    core = re.sub(r"[^A-Za-z0-9-]", "-", f"{request.service}-{request.replica_id}").strip("-")
+    return f"so-{core}"[:64].rstrip("-")
+
+
+class AzureProvider(Provider):
+    name = "azure"
+
+    def __init__(self, subscription_id: str | None = None, resource_group: str = "spot-orchestrator",
+                 regions: list[str] | None = None, *, credential=None, base_url: str | None = None,
+                 compute_client=None, subnet_id: str | None = None, prices_url: str = RETAIL_PRICES_URL,
+                 http: requests.Session | None = None, catalog: Catalog | None = None,
+                 image: dict[str, str] | None = None, admin_username: str = "azureuser",
+                 ssh_public_key: str | None = None, eviction_policy: str = "Delete", launch_wait_s: float = 600.0,
+                 attempts: int = 5, sleep: Callable[[float], None] = time.sleep):
+        self._catalog = catalog or load_catalog("azure")
+        self.regions = regions or sorted({row.region for row in self._catalog.rows})
+        self._subscription_id = subscription_id or os.environ.get("AZURE_SUBSCRIPTION_ID")
+        self.resource_group = resource_group
+        self._credential = credential
+        self._base_url = base_url
+        self._client = compute_client
+        self._subnet_id = subnet_id
+        self._prices_url = prices_url
+        self._http = http or requests.Session()
+        self._image = image or DEFAULT_IMAGE
+        self._admin_username = admin_username
+        self._ssh_public_key = ssh_public_key
+        self._eviction_policy = eviction_policy
+        self._launch_wait_s = launch_wait_s
+        self._attempts = attempts
+        self._sleep = sleep
+        # azure-core refuses bearer tokens over plain http; a local fake endpoint is plain http.
+        self._kw = {"enforce_https": False} if base_url and base_url.startswith("http://") else {}
+
+    # ---- plumbing ----------------------------------------------------------------------
+
+    def _compute(self) -> ComputeManagementClient:
+        if self._client is None:
+            if not self._subscription_id:
+                raise AuthError(f"azure: no subscription id; {_HOW_TO_AUTH}")
+            credential = self._credential
+            if credential is None:
+                from azure.identity import DefaultAzureCredential
+
+                credential = DefaultAzureCredential()
+            extra = {"base_url": self._base_url} if self._base_url else {}
+            self._client = ComputeManagementClient(credential, self._subscription_id, retry_total=0, **extra)
+        return self._client
+
+    def _call(self, fn: Callable, location: Location | None = None, market: Market | None = None):
+        return sdk.call(fn, map_error, location, market, attempts=self._attempts, sleep=self._sleep)
+
+    # ---- prices ------------------------------------------------------------------------
+
+    def offers(self, accelerator: str | None = None, count: int | None = None) -> list[Offer]:
+        types = gpu_instance_types("azure", accelerator, count)
+        if not types:
+            return []
+        sku_filter = " or ".join(f"armSkuName eq '{t}'" for t in types)
+        out = []
+        for region in self.regions:
+            query = (f"serviceName eq 'Virtual Machines' and priceType eq 'Consumption' "
+                     f"and armRegionName eq '{region}' and ({sku_filter})")
+            out.extend(self._region_offers(region, query))
+        return out
+
+    def _region_offers(self, region: str, query: str) -> list[Offer]:
+        def fetch():
+            items, url, params = [], self._prices_url, {"$filter": query}
+            while url:
+                reply = self._http.get(url, params=params, timeout=30)
+                reply.raise_for_status()
+                page = reply.json()
+                items.extend(page.get("Items", []))
+                url, params = page.get("NextPageLink"), None  # the link carries the query
+            return items
+
+        now = time.time()
+        out = []
+        for item in self._call(fetch):
+            sku, product, itype = item.get("skuName", ""), item.get("productName", ""), item.get("armSkuName", "")
+            gpu = accelerator_for("azure", itype)
+            if gpu is None or "Windows" in product or "Low Priority" in sku or item.get("unitOfMeasure") != "1 Hour":
+                continue
+            market = Market.SPOT if sku.endswith("Spot") else Market.ON_DEMAND
+            price = float(item.get("retailPrice") or 0)
+            if price <= 0:
+                continue
+            out.append(Offer(Location("azure", region, region), itype, gpu[0], gpu[1], market, price, now))
+        return out
+
+    # ---- instances ---------------------------------------------------------------------
+
+    def launch(self, request: LaunchRequest) -> Instance:
+        name = vm_name(request)
+        existing = self.get(name)
+        if existing is not None:  # PUT is idempotent, but never reconfigure a live replica
+            return existing
+        if not self._subnet_id:
+            raise ProviderError("azure: pass subnet_id= (a subnet the VMs' NICs join) to launch VMs")
+        vm = self._vm_resource(request, name)
+        compute = self._compute()
+        poller = self._call(lambda: compute.virtual_machines.begin_create_or_update(
+            self.resource_group, name, vm, **self._kw), request.location, request.market)
+
+        def finish():
+            poller.wait(self._launch_wait_s)
+            return poller.result() if poller.done() else None
+
+        created = self._call(finish, request.location, request.market)
+        return self._to_instance(created) if created is not None else (self.get(name) or self._pending(request, name))
+
+    def _pending(self, request: LaunchRequest, name: str) -> Instance:
+        return Instance(name, request.location, request.market, request.instance_type, InstanceStatus.PENDING,
+                        tags=request.all_tags())
+
+    def _vm_resource(self, request: LaunchRequest, name: str) -> m.VirtualMachine:
+        spot = request.market is Market.SPOT
+        linux = m.LinuxConfiguration(disable_password_authentication=bool(self._ssh_public_key))
+        if self._ssh_public_key:
+            linux.ssh = m.SshConfiguration(public_keys=[m.SshPublicKey(
+                path=f"/home/{self._admin_username}/.ssh/authorized_keys", key_data=self._ssh_public_key)])
+        tags = request.all_tags()
+        if request.port is not None:
+            tags[TAG_PORT] = str(request.port)
+        vm = m.VirtualMachine(
+            location=request.location.region,
+            tags=tags,
+            hardware_profile=m.HardwareProfile(vm_size=request.instance_type),
+            storage_profile=m.StorageProfile(
+                image_reference=m.ImageReference(**self._image),
+                os_disk=m.OSDisk(create_option="FromImage", delete_option="Delete", disk_size_gb=200)),
+            os_profile=m.OSProfile(
+                computer_name=name, admin_username=self._admin_username,
+                # Nobody logs in with it; Azure requires a password when no SSH key is given.
+                admin_password=None if self._ssh_public_key else secrets.token_urlsafe(24) + "aA1!",
+                linux_configuration=linux,
+                custom_data=base64.b64encode(sdk.startup_script(request).encode()).decode()),
+            network_profile=m.NetworkProfile(
+                network_api_version=NETWORK_API_VERSION,
+                network_interface_configurations=[m.VirtualMachineNetworkInterfaceConfiguration(
+                    name=f"{name}-nic", primary=True, delete_option="Delete",
+                    ip_configurations=[m.VirtualMachineNetworkInterfaceIPConfiguration(
+                        name="ipconfig1", subnet=m.SubResource(id=self._subnet_id),
+                        public_ip_address_configuration=m.VirtualMachinePublicIPAddressConfiguration(
+                            name=f"{name}-ip", delete_option="Delete"))])]),
+            priority="Spot" if spot else "Regular",
+        )
+        if spot:
+            vm.eviction_policy = self._eviction_policy
+            vm.billing_profile = m.BillingProfile(max_price=-1)  # pay up to on-demand; evicted for capacity only
+        if request.location.zone != request.location.region:
+            vm.zones = [request.location.zone.rpartition("-")[2]]
+        return vm
+
+    def get(self, instance_id: str) -> Instance | None:
+        compute = self._compute()
+        try:
+            vm = self._call(lambda: compute.virtual_machines.get(self.resource_group, instance_id,
+                                                                expand="instanceView", **self._kw))
+        except NotFoundError:
+            return None
+        instance = self._to_instance(vm)
+        if instance.status is InstanceStatus.RUNNING and TAG_PORT in instance.tags:
+            host = self._address(vm)
+            instance.endpoint = f"http://{host}:{instance.tags[TAG_PORT]}" if host else None
+        return instance
+
+    def _address(self, vm: m.VirtualMachine) -> str | None:
+        """The VM's public IP (else private), read from its NIC through ARM's generic endpoint:
+        azure-mgmt-network is not a dependency just for two GETs."""
+        nics = vm.network_profile.network_interfaces if vm.network_profile else None
+        if not nics:
+            return None
+        nic = self._arm_get(nics[0].id)
+        config = ((nic or {}).get("properties", {}).get("ipConfigurations") or [{}])[0].get("properties", {})
+        public_id = (config.get("publicIPAddress") or {}).get("id")
+        public = self._arm_get(public_id) if public_id else None
+        return (public or {}).get("properties", {}).get("ipAddress") or config.get("privateIPAddress")
+
+    def _arm_get(self, resource_id: str) -> dict | None:
+        from azure.core.rest import HttpRequest
+
+        compute = self._compute()
+        request = HttpRequest("GET", f"{resource_id}?api-version={NETWORK_API_VERSION}")
+        try:
+            reply = self._call(lambda: compute.send_request(request, **self._kw))
+        except ProviderError as err:  # an address is a nicety: the instance is still real
+            log.warning("azure: cannot read %s: %s", resource_id, err)
+            return None
+        return reply.json() if reply.status_code == 200 else None
+
+    def list(self, tags: dict[str, str] | None = None) -> list[Instance]:
+        wanted = tags or {TAG_MANAGED: "true"}
+        compute = self._compute()
+        vms = self._call(lambda: list(compute.virtual_machines.list(self.resource_group, **self._kw)))
+        return [self._to_instance(vm) for vm in vms
+                if all((vm.tags or {}).get(k) == v for k, v in wanted.items())]
+
+    def terminate(self, instance_id: str) -> None:
+        compute = self._compute()
+        try:
+            self._call(lambda: compute.virtual_machines.begin_delete(self.resource_group, instance_id, **self._kw))
+        except NotFoundError:
+            pass
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        self._http.close()
+
+    def _to_instance(self, vm: m.VirtualMachine) -> Instance:
+        state = (vm.provisioning_state or "").lower()
+        power = ""
+        if vm.instance_view and vm.instance_view.statuses:
+            power = next((s.code.split("/", 1)[1] for s in vm.instance_view.statuses
+                          if s.code and s.code.startswith("PowerState/")), "")
+        if state in ("creating", "updating") or power in ("starting",):
+            status = InstanceStatus.PENDING
+        elif state == "deleting" or power in ("stopping", "stopped", "deallocating", "deallocated"):
+            status = InstanceStatus.STOPPING
+        elif state == "failed":
+            status = InstanceStatus.TERMINATED
+        else:
+            status = InstanceStatus.RUNNING
+        region = vm.location or ""
+        zone = f"{region}-{vm.zones[0]}" if vm.zones else region
+        return Instance(
+            instance_id=vm.name,
+            location=Location("azure", region, zone),
+            market=Market.SPOT if str(vm.priority or "").lower().endswith("spot") else Market.ON_DEMAND,
+            instance_type=vm.hardware_profile.vm_size if vm.hardware_profile else "",
+            status=status,
+            tags=dict(vm.tags or {}),
+        )

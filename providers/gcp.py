@@ -1,0 +1,388 @@
+"""GCP through google-cloud-compute: spot GPU VMs, labels, preemption from zone operations.
+
+Instance ids are "ZONE/NAME" (GCP addresses instances by zone and name). Labels must be
+lowercase [a-z0-9_-]: tags are sanitized on the way in and matched sanitized on the way out.
+Offers come from the v8 catalog (GCP's price list changes monthly, not minute by minute);
+with a Cloud Billing Catalog client the attachable GPUs' prices are refreshed live.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable
+
+from google.api_core import exceptions as gexc
+from google.auth import exceptions as auth_exc
+from google.cloud import compute_v1
+
+from orchestrator.catalog import GCP_ATTACHABLE, Catalog, CatalogRow, gpu_matches, load_catalog
+from providers.base import (
+    TAG_MANAGED,
+    AuthError,
+    CapacityError,
+    Instance,
+    InstanceStatus,
+    LaunchRequest,
+    Location,
+    Market,
+    NotFoundError,
+    Notice,
+    NoticeKind,
+    Offer,
+    Provider,
+    ProviderError,
+    QuotaError,
+    TransientError,
+)
+from providers import sdk
+
+log = logging.getLogger(__name__)
+
+TAG_PORT = "spot-orchestrator-port"
+PREEMPTED_FILTER = 'operationType="compute.instances.preempted"'
+SPOT_NOTICE_S = 30  # GCP gives spot VMs 30 s between the preemption and the hard stop
+DEFAULT_IMAGE = ("projects/ubuntu-os-accelerator-images/global/images/family/"
+                 "ubuntu-accelerator-2204-amd64-with-nvidia-550")
+BILLING_SERVICE = "services/6F81-5844-456A"  # Compute Engine in the Cloud Billing Catalog
+# Matched in the error text: HTTP errors and operation errors carry them differently.
+_CAPACITY = re.compile(r"ZONE_RESOURCE_POOL_EXHAUSTED|does not have enough resources available")
+_QUOTA = re.compile(r"QUOTA_EXCEEDED|quotaExceeded|Quota '[^']+' exceeded")
+_HOW_TO_AUTH = ("configure GCP credentials with `gcloud auth application-default login` "
+                "or GOOGLE_APPLICATION_CREDENTIALS")
+
+
+def map_error(err: Exception, location: Location | None = None, market: Market | None = None) -> ProviderError:
+    """The one place GCP errors (HTTP and operation errors alike) become typed errors."""
+    if isinstance(err, ProviderError):
+        return err
+    text = f"gcp: {err}"
+    if _CAPACITY.search(text):
+        return CapacityError(text, location=location, market=market)
+    if _QUOTA.search(text):
+        return QuotaError(text)
+    if isinstance(err, auth_exc.GoogleAuthError | gexc.Unauthenticated | gexc.PermissionDenied):
+        return AuthError(f"{text}; {_HOW_TO_AUTH}")
+    if isinstance(err, gexc.NotFound):
+        return NotFoundError(text)
+    if isinstance(err, gexc.TooManyRequests | gexc.ServerError | gexc.DeadlineExceeded | gexc.RetryError):
+        return TransientError(text)
+    if isinstance(err, ConnectionError | TimeoutError | OSError):
+        return TransientError(text)
+    return ProviderError(text)
+
+
+def _operation_error(op: compute_v1.Operation) -> str | None:
+    errors = op.error.errors if op.error else []
+    return "; ".join(f"{e.code}: {e.message}" for e in errors) or None
+
+
+def label(value: str) -> str:
+    """A GCP label key or value: lowercase [a-z0-9_-], at most 63 characters."""
+    return re.sub(r"[^a-z0-9_-]", "-", value.lower())[:63]
+
+
+def instance_name(request: LaunchRequest) -> str:
+    """A valid, deterministic VM name ([a-z]([-a-z0-9]{0,61}[a-z0-9])?) for the replica."""
+    core = re.sub(r"[^a-z0-9-]", "-", f"{request.service}-{request.replica_id}".lower()).strip("-")
+    return f"so-{core}"[:63].rstrip("-")
+
+
+def _parse_time(text: str) -> float:
+    return dt.datetime.fromisoformat(text).timestamp() if text else 0.0
+
+
+class GCPProvider(Provider):
+    name = "gcp"
+
+    def __init__(self, project: str | None = None, zones: list[str] | None = None, *, credentials=None,
+                 host: str | None = None, url_scheme: str = "https", instances_client=None,
+                 operations_client=None, billing_client=None, catalog: Catalog | None = None,
+                 image: str = DEFAULT_IMAGE, network: str = "global/networks/default", disk_size_gb: int = 200,
+                 attempts: int = 5, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.time):
+        self._credentials = credentials
+        self._project = project
+        self._host = host
+        self._url_scheme = url_scheme
+        self._instances = instances_client
+        self._operations = operations_client
+        self._billing = billing_client
+        self._catalog = catalog or load_catalog("gcp")
+        self.zones = zones
+        self._image = image
+        self._network = network
+        self._disk_size_gb = disk_size_gb
+        self._attempts = attempts
+        self._sleep = sleep
+        self._clock = clock
+        self._started_at = clock()
+        self._watched_zones: set[str] = set(zones or ())
+        self._seen_operations: set[str] = set()
+
+    # ---- plumbing ----------------------------------------------------------------------
+
+    def _transport_kwargs(self, transport_cls) -> dict:
+        if self._host is None:
+            return {"credentials": self._credentials} if self._credentials is not None else {}
+        from google.auth.credentials import AnonymousCredentials
+
+        creds = self._credentials or AnonymousCredentials()
+        return {"transport": transport_cls(host=self._host, credentials=creds, url_scheme=self._url_scheme)}
+
+    def _instances_client(self):
+        if self._instances is None:
+            from google.cloud.compute_v1.services.instances.transports.rest import InstancesRestTransport
+
+            kwargs = self._transport_kwargs(InstancesRestTransport)
+            self._instances = self._call(lambda: compute_v1.InstancesClient(**kwargs))
+        return self._instances
+
+    def _operations_client(self):
+        if self._operations is None:
+            from google.cloud.compute_v1.services.zone_operations.transports.rest import (
+                ZoneOperationsRestTransport,
+            )
+
+            self._operations = self._call(
+                lambda: compute_v1.ZoneOperationsClient(**self._transport_kwargs(ZoneOperationsRestTransport)))
+        return self._operations
+
+    @property
+    def project(self) -> str:
+        if self._project is None:
+            import google.auth
+
+            try:
+                _, self._project = google.auth.default()
+            except auth_exc.DefaultCredentialsError as err:
+                raise map_error(err) from err
+            if not self._project:
+                raise AuthError(f"gcp: no project configured; pass project= or {_HOW_TO_AUTH}")
+        return self._project
+
+    def _call(self, fn: Callable, location: Location | None = None, market: Market | None = None):
+        return sdk.call(fn, map_error, location, market, attempts=self._attempts, sleep=self._sleep)
+
+    # ---- prices ------------------------------------------------------------------------
+
+    def offers(self, accelerator: str | None = None, count: int | None = None) -> list[Offer]:
+        rows = [r for r in self._catalog.rows if gpu_matches((r.accelerator, r.accelerator_count), accelerator, count)
+                and (self.zones is None or r.zone in self.zones)]
+        live = self._billing_gpu_prices() if self._billing is not None else {}
+        out = []
+        for row in rows:
+            priced = self._reprice(row, live) if live else None
+            out.extend((priced or row).offers(self._clock() if priced else self._catalog.observed_at))
+        return out
+
+    def _reprice(self, row: CatalogRow, live: dict[tuple[str, str, Market], float]) -> CatalogRow | None:
+        """An attachable-GPU row with its GPU part at the live Billing Catalog price."""
+        od = live.get((row.accelerator, row.region, Market.ON_DEMAND))
+        spot = live.get((row.accelerator, row.region, Market.SPOT))
+        if row.host_price is None or od is None or spot is None:
+            return None
+        n = row.accelerator_count
+        return dataclasses.replace(row, price=round(row.host_price + od * n, 6),
+                                   spot_price=round((row.host_spot_price or 0.0) + spot * n, 6))
+
+    def _billing_gpu_prices(self) -> dict[tuple[str, str, Market], float]:
+        """Per-GPU hourly prices by (gpu, region, market) from the Cloud Billing Catalog."""
+        names = {gpu: re.compile(rf"\bNvidia Tesla {gpu}\b|\bNvidia {gpu}\b", re.IGNORECASE) for gpu in GCP_ATTACHABLE}
+
+        def fetch():
+            prices = {}
+            for sku in self._billing.list_skus(parent=BILLING_SERVICE):
+                usage = sku.category.usage_type
+                market = {"OnDemand": Market.ON_DEMAND, "Preemptible": Market.SPOT}.get(usage)
+                gpu = next((g for g, rx in names.items() if rx.search(sku.description)), None)
+                if market is None or gpu is None or "commitment" in sku.description.lower() or not sku.pricing_info:
+                    continue
+                rates = sku.pricing_info[0].pricing_expression.tiered_rates
+                if not rates:
+                    continue
+                unit = rates[-1].unit_price
+                price = unit.units + unit.nanos / 1e9
+                for region in sku.service_regions:
+                    prices[(gpu, region, market)] = price
+            return prices
+
+        try:
+            return self._call(fetch)
+        except ProviderError as err:  # live prices are a bonus: the catalog still answers
+            log.warning("gcp billing catalog: %s; using the price snapshot", err)
+            return {}
+
+    # ---- instances ---------------------------------------------------------------------
+
+    def launch(self, request: LaunchRequest) -> Instance:
+        zone = request.location.zone
+        name = instance_name(request)
+        client = self._instances_client()
+        resource = self._instance_resource(request, name)
+        # requestId makes a retried insert a no-op on GCP's side; it must be a UUID.
+        request_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"spot-orchestrator/{request.client_token}"))
+        try:
+            insert = compute_v1.InsertInstanceRequest(project=self.project, zone=zone, instance_resource=resource,
+                                                      request_id=request_id)
+            op = self._call(lambda: client.insert_unary(request=insert), request.location, request.market)
+        except ProviderError as err:
+            if isinstance(err.__cause__, gexc.Conflict):  # already exists: the earlier launch won
+                return self._get_or_raise(zone, name)
+            raise
+        op = self._wait(op, zone)
+        failure = _operation_error(op)
+        if failure:
+            raise map_error(RuntimeError(f"launch {zone}/{name}: {failure}"), request.location, request.market)
+        self._watched_zones.add(zone)
+        instance = self.get(f"{zone}/{name}")
+        if instance is None:  # inserted but not yet readable: report what we asked for
+            instance = Instance(f"{zone}/{name}", request.location, request.market, request.instance_type,
+                                InstanceStatus.PENDING, tags=dict(resource.labels))
+        return instance
+
+    def _wait(self, op: compute_v1.Operation, zone: str, rounds: int = 3) -> compute_v1.Operation:
+        """Wait (bounded) for an insert to finish, so capacity errors surface at launch time."""
+        ops = self._operations_client()
+        for _ in range(rounds):
+            if op.status == compute_v1.Operation.Status.DONE:
+                break
+            op = self._call(lambda op=op: ops.wait(project=self.project, zone=zone, operation=op.name))
+        return op
+
+    def _instance_resource(self, request: LaunchRequest, name: str) -> compute_v1.Instance:
+        zone = request.location.zone
+        machine, _, attached = request.instance_type.partition("+")
+        labels = {label(k): label(v) for k, v in request.all_tags().items()}
+        if request.port is not None:
+            labels[TAG_PORT] = str(request.port)
+        spot = request.market is Market.SPOT
+        scheduling = compute_v1.Scheduling(
+            provisioning_model="SPOT" if spot else "STANDARD",
+            on_host_maintenance="TERMINATE",  # GPUs cannot live-migrate
+            automatic_restart=not spot,
+            **({"instance_termination_action": "DELETE"} if spot else {}),
+        )
+        accelerators = []
+        if attached:  # "n1-standard-8+T4x2": GPUs attached to an n1 host
+            gpu, _, n = attached.rpartition("x")
+            accelerators.append(compute_v1.AcceleratorConfig(
+                accelerator_type=f"zones/{zone}/acceleratorTypes/{GCP_ATTACHABLE.get(gpu, gpu.lower())}",
+                accelerator_count=int(n)))
+        return compute_v1.Instance(
+            name=name,
+            machine_type=f"zones/{zone}/machineTypes/{machine}",
+            labels=labels,
+            scheduling=scheduling,
+            guest_accelerators=accelerators,
+            disks=[compute_v1.AttachedDisk(
+                boot=True, auto_delete=True,
+                initialize_params=compute_v1.AttachedDiskInitializeParams(source_image=self._image,
+                                                                          disk_size_gb=self._disk_size_gb))],
+            network_interfaces=[compute_v1.NetworkInterface(network=self._network, access_configs=[
+                compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")])],
+            metadata=compute_v1.Metadata(items=[compute_v1.Items(key="startup-script",
+                                                                 value=sdk.startup_script(request))]),
+        )
+
+    def _get_or_raise(self, zone: str, name: str) -> Instance:
+        instance = self.get(f"{zone}/{name}")
+        if instance is None:
+            raise ProviderError(f"gcp: {zone}/{name} exists but cannot be read")
+        return instance
+
+    def get(self, instance_id: str) -> Instance | None:
+        zone, _, name = instance_id.partition("/")
+        client = self._instances_client()
+        try:
+            item = self._call(lambda: client.get(project=self.project, zone=zone, instance=name))
+        except NotFoundError:
+            return None
+        return self._to_instance(item, zone)
+
+    def list(self, tags: dict[str, str] | None = None) -> list[Instance]:
+        wanted = {label(k): label(v) for k, v in (tags or {TAG_MANAGED: "true"}).items()}
+        query = " AND ".join(f'labels.{k} = "{v}"' for k, v in sorted(wanted.items()))
+        client = self._instances_client()
+
+        def fetch():
+            request = compute_v1.AggregatedListInstancesRequest(project=self.project, filter=query)
+            return [(scope, item) for scope, scoped in client.aggregated_list(request=request)
+                    for item in scoped.instances]
+
+        out = []
+        for scope, item in self._call(fetch):
+            if all(item.labels.get(k) == v for k, v in wanted.items()):  # the filter, checked again
+                zone = scope.rpartition("/")[2]
+                self._watched_zones.add(zone)
+                out.append(self._to_instance(item, zone))
+        return out
+
+    def terminate(self, instance_id: str) -> None:
+        zone, _, name = instance_id.partition("/")
+        client = self._instances_client()
+        try:
+            self._call(lambda: client.delete_unary(project=self.project, zone=zone, instance=name))
+        except NotFoundError:
+            pass
+
+    def _to_instance(self, item: compute_v1.Instance, zone: str) -> Instance:
+        labels = dict(item.labels)
+        status = {"PROVISIONING": InstanceStatus.PENDING, "STAGING": InstanceStatus.PENDING,
+                  "RUNNING": InstanceStatus.RUNNING, "STOPPING": InstanceStatus.STOPPING,
+                  "SUSPENDING": InstanceStatus.STOPPING, "SUSPENDED": InstanceStatus.STOPPING,
+                  "REPAIRING": InstanceStatus.STOPPING}.get(item.status, InstanceStatus.TERMINATED)
+        host = None
+        if item.network_interfaces:
+            nic = item.network_interfaces[0]
+            host = (nic.access_configs[0].nat_i_p if nic.access_configs else "") or nic.network_i_p or None
+        port = labels.get(TAG_PORT)
+        machine = item.machine_type.rpartition("/")[2]
+        accelerators = list(item.guest_accelerators)
+        if accelerators:  # name it the way offers do, so prices and instances join up
+            gpu = accelerators[0].accelerator_type.rpartition("/")[2]
+            short = next((k for k, v in GCP_ATTACHABLE.items() if v == gpu), gpu)
+            machine = f"{machine}+{short}x{accelerators[0].accelerator_count}"
+        region = zone.rsplit("-", 1)[0]
+        return Instance(
+            instance_id=f"{zone}/{item.name}",
+            location=Location("gcp", region, zone),
+            market=Market.SPOT if item.scheduling.provisioning_model == "SPOT" else Market.ON_DEMAND,
+            instance_type=machine,
+            status=status,
+            tags=labels,
+            endpoint=f"http://{host}:{port}" if host and port else None,
+            launched_at=_parse_time(item.creation_timestamp) or self._clock(),
+        )
+
+    def close(self) -> None:
+        for client in (self._instances, self._operations, self._billing):
+            transport = getattr(client, "transport", None)
+            if transport is not None:
+                transport.close()
+
+    # ---- notices -------------------------------------------------------------------------
+
+    def notices(self) -> list[Notice]:
+        """Preemptions seen in the zone operations of every zone we have instances in."""
+        ops = self._operations_client()
+        out = []
+        for zone in sorted(self._watched_zones):
+            request = compute_v1.ListZoneOperationsRequest(project=self.project, zone=zone, filter=PREEMPTED_FILTER)
+            for op in self._call(lambda request=request: list(ops.list(request=request))):
+                key = str(op.id or op.name)
+                inserted = _parse_time(op.insert_time)
+                # Old preemptions (before this provider started watching) are history, not news.
+                if key in self._seen_operations or op.operation_type != "compute.instances.preempted" \
+                        or inserted < self._started_at - 300:
+                    continue
+                self._seen_operations.add(key)
+                name = op.target_link.rpartition("/")[2]
+                out.append(Notice(instance_id=f"{zone}/{name}", kind=NoticeKind.PREEMPT,
+                                  deadline=inserted + SPOT_NOTICE_S, source="gcp:compute.instances.preempted"))
+        return out
+
