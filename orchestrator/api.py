@@ -64,6 +64,7 @@ def replica_json(r: ReplicaRow) -> dict[str, Any]:
         "instance_type": r.instance_type,
         "endpoint": r.endpoint,
         "agent_endpoint": r.agent_endpoint,
+        "control_endpoint": r.control_endpoint,
         "price_per_hour": r.price_per_hour,
         "launched_at": r.launched_at,
         "ready_at": r.ready_at,

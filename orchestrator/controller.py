@@ -301,7 +301,8 @@ class Controller:
             instance_id=inst.instance_id,
             instance_type=inst.instance_type,
             endpoint=inst.endpoint,
-            agent_endpoint=getattr(inst, "agent_endpoint", None),
+            agent_endpoint=inst.agent_endpoint,
+            control_endpoint=inst.control_endpoint,
             launched_at=inst.launched_at,
             price_per_hour=inst.price_per_hour,
         )

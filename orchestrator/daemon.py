@@ -36,7 +36,7 @@ from orchestrator.migration import Migrator
 from orchestrator.replica_command import ReplicaLauncher
 from orchestrator.spec import ServiceSpec
 from orchestrator.state import ServiceStatus, Store
-from policies.base import UnknownPolicyError, load_policy
+from policies.base import PlacementPolicy, UnknownPolicyError, load_policy
 from providers.base import Provider
 
 log = logging.getLogger("orchestrator.daemon")
@@ -79,9 +79,11 @@ class Daemon:
         host: str = "127.0.0.1",
         provider_factory: Callable[[str], Provider] = make_provider,
         launcher: ReplicaLauncher | None = None,
+        policy_factory: Callable[[str], PlacementPolicy] = load_policy,
     ):
         self.store = store or Store()
         self.launcher = launcher
+        self.policy_factory = policy_factory
         self.host = host
         self.url = ""
         self.token = auth.load_or_create_token()
@@ -118,7 +120,7 @@ class Daemon:
         with self._lock:
             cloud = self.spec_cloud(spec)
             try:
-                load_policy(spec.service.placement_policy)  # refuse before anything is stored
+                self.policy_factory(spec.service.placement_policy)  # refuse before anything is stored
             except UnknownPolicyError as err:
                 raise UserError(f"service.placement_policy: {err}") from None
             existing = self.store.get_service(spec.name)
@@ -148,6 +150,7 @@ class Daemon:
             self.store,
             self.provider(cloud),
             self.launcher or ReplicaLauncher(daemon_url=self.url or None),
+            policy=self.policy_factory(spec.service.placement_policy),
             on_upstreams=lambda ups, lb=lb: lb.set_replicas([_lb_upstream(u) for u in ups]),
         )
         self.controllers[name] = controller

@@ -69,10 +69,10 @@ class Migrator:
 
     def flush(self, replica: ReplicaRow) -> bool:
         """Ask the replica to push its not yet coded KV blocks; True when it confirmed."""
-        if not replica.agent_endpoint:
+        if not replica.control_endpoint:
             return False
         try:
-            r = self._http.post(f"{replica.agent_endpoint}/v1/flush", headers=self._kv_auth(replica.service))
+            r = self._http.post(f"{replica.control_endpoint}/v1/flush", headers=self._kv_auth(replica.service))
             return r.status_code == 200
         except httpx.HTTPError as err:
             log.warning("flush of %s failed: %s (continuations will recompute)", replica.replica_id, err)

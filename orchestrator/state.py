@@ -105,6 +105,7 @@ class ReplicaRow(SQLModel, table=True):
     instance_id: str | None = None
     endpoint: str | None = None
     agent_endpoint: str | None = None
+    control_endpoint: str | None = None  # the KV connector's flush endpoint
     price_per_hour: float | None = None
     created_at: float = Field(default_factory=_now)
     launched_at: float | None = None

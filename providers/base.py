@@ -138,6 +138,8 @@ class Instance:
     endpoint: str | None = None
     # Where the replica agent (notice watcher + KV shard store) answers; None until known.
     agent_endpoint: str | None = None
+    # The KV connector's control endpoint inside the engine (flush on notice); None if none.
+    control_endpoint: str | None = None
     launched_at: float = dataclasses.field(default_factory=time.time)
     price_per_hour: float | None = None
 

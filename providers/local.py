@@ -11,6 +11,7 @@ Ports: before starting, the provider substitutes these placeholders in every com
 argument and env value:
     {port}        the engine's port: request.port, or a free port picked here
     {agent_port}  a second free port, for the replica agent
+    {control_port} a third free port, for the KV connector's control endpoint (flush)
     {instance_id} the instance id
 Instance.endpoint = http://127.0.0.1:{port}, Instance.agent_endpoint = http://127.0.0.1:{agent_port}.
 
@@ -413,7 +414,9 @@ class LocalProvider(Provider):
         instance_id = f"local-{secrets.token_hex(4)}"
         port = request.port or _free_port(used)
         agent_port = _free_port(used | {port})
-        values = {"port": str(port), "agent_port": str(agent_port), "instance_id": instance_id}
+        control_port = _free_port(used | {port, agent_port})
+        values = {"port": str(port), "agent_port": str(agent_port), "control_port": str(control_port),
+                  "instance_id": instance_id}
         notice_file = self._registry.notice_file(instance_id)
         env = {
             **os.environ,
@@ -454,6 +457,7 @@ class LocalProvider(Provider):
             "start_time": stat.start_time if stat else None,
             "port": port,
             "agent_port": agent_port,
+            "control_port": control_port,
             "command": command,
             "log_path": str(log_path),
             "launched_at": time.time(),
@@ -539,6 +543,7 @@ class LocalProvider(Provider):
             tags=dict(record["tags"]),
             endpoint=f"http://127.0.0.1:{record['port']}",
             agent_endpoint=f"http://127.0.0.1:{record['agent_port']}",
+            control_endpoint=f"http://127.0.0.1:{record['control_port']}" if record.get("control_port") else None,
             launched_at=record["launched_at"],
             price_per_hour=record["price_per_hour"],
         )
@@ -667,7 +672,7 @@ def _pending_kill(record: dict[str, Any]) -> bool:
 
 
 def _ports(record: dict[str, Any]) -> set[int]:
-    return {record["port"], record["agent_port"]}
+    return {record["port"], record["agent_port"], record.get("control_port", record["port"])}
 
 
 def _price_field(market: Market) -> str:

@@ -146,6 +146,7 @@ def test_service_end_to_end(tmp_path, state_home, replica_runtime):
         leftovers = [pid for pid in all_pids.values() if _alive(pid)]
         assert not leftovers, f"processes left behind after down: {leftovers}"
     finally:
+        print(spotctl("events", "--limit", "200", check=False).stdout)  # shown when the test fails
         spotctl("down", "--all", "--timeout", "60", check=False)
         info = state_home / "daemon.json"
         if info.exists():
