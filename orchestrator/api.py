@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field
 from orchestrator import auth
 from orchestrator.errors import UserError
 from orchestrator.replica import ReplicaState
+from orchestrator.replica_command import kv_secret_file
 from orchestrator.spec import ServiceSpec, load_spec
 from orchestrator.state import ReplicaRow, ServiceRow
 from providers.base import Notice, NoticeKind
@@ -93,11 +94,25 @@ def service_json(row: ServiceRow, replicas: list[ReplicaRow]) -> dict[str, Any]:
 def create_app(daemon) -> FastAPI:  # daemon: orchestrator.daemon.Daemon (no import cycle)
     app = FastAPI(title="spot-orchestrator daemon", docs_url=None, redoc_url=None)
 
-    def require_token(request: Request) -> None:
+    def presented_token(request: Request) -> str | None:
         header = request.headers.get("authorization", "")
-        presented = header[7:] if header.lower().startswith("bearer ") else None
-        if not auth.token_matches(presented, daemon.token):
+        return header[7:] if header.lower().startswith("bearer ") else None
+
+    def require_token(request: Request) -> None:
+        if not auth.token_matches(presented_token(request), daemon.token):
             raise HTTPException(401, "missing or wrong bearer token (see the token file in the state directory)")
+
+    def require_replica_credential(request: Request) -> None:
+        """Replicas report notices and read their service's shard stores with the service's
+        KV secret: a replica machine never holds the daemon's admin token."""
+        presented = presented_token(request)
+        if auth.token_matches(presented, daemon.token):
+            return
+        for row in daemon.store.list_services():
+            secret = kv_secret_file(row.name)
+            if secret.exists() and auth.token_matches(presented, secret.read_text().strip()):
+                return
+        raise HTTPException(401, "missing or wrong bearer token (the daemon token or the service's KV secret)")
 
     @app.exception_handler(UserError)
     async def user_error(_: Request, err: UserError) -> JSONResponse:
@@ -146,7 +161,9 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.daemon.Daemon (no imp
         daemon.down(name)
         return {"name": name, "status": "SHUTTING_DOWN"}
 
-    @app.get("/v1/services/{name}/stores", dependencies=auth_dep)
+    replica_dep = [Depends(require_replica_credential)]
+
+    @app.get("/v1/services/{name}/stores", dependencies=replica_dep)
     def stores(name: str) -> dict:
         get_row(name)
         live = [
@@ -182,7 +199,7 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.daemon.Daemon (no imp
             for e in rows
         ]
 
-    @app.post("/v1/notices", dependencies=auth_dep)
+    @app.post("/v1/notices", dependencies=replica_dep)
     def notice(body: NoticeIn) -> dict:
         handled = daemon.migrator.on_notice(
             Notice(instance_id=body.instance_id, kind=body.kind, deadline=body.deadline, source=body.source)

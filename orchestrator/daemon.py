@@ -31,18 +31,20 @@ from orchestrator import api_client, auth, paths
 from orchestrator.controller import Controller, Upstream
 from orchestrator.errors import UserError
 from orchestrator.loadbalancer import LoadBalancer
+from orchestrator.market import PriceBook, refresh_prices
 from orchestrator.loadbalancer import Upstream as LBUpstream
 from orchestrator.migration import Migrator
 from orchestrator.replica_command import ReplicaLauncher
 from orchestrator.spec import ServiceSpec
 from orchestrator.state import ServiceStatus, Store
 from policies.base import PlacementPolicy, UnknownPolicyError, load_policy
-from providers.base import Provider
+from providers.base import Offers, Provider
 
 log = logging.getLogger("orchestrator.daemon")
 
 RECONCILE_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_RECONCILE_S", "2"))
 PROBE_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_PROBE_S", "2"))
+PRICES_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_PRICES_S", "600"))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -92,6 +94,7 @@ class Daemon:
         self.controllers: dict[str, Controller] = {}
         self.lbs: dict[str, LoadBalancer] = {}
         self.migrator = Migrator(self)
+        self.book = PriceBook()  # live quotes of the real clouds in use (the local cloud prices itself)
         self._lock = threading.RLock()
         self.started_at = time.time()
         self.scheduler = BackgroundScheduler(executors={"default": APThreadPool(8)}, job_defaults={"coalesce": True})
@@ -150,11 +153,30 @@ class Daemon:
             self.store,
             self.provider(cloud),
             self.launcher or ReplicaLauncher(daemon_url=self.url or None),
+            offers=None if cloud == "local" else self._book_offers(spec, cloud),
             policy=self.policy_factory(spec.service.placement_policy),
             on_upstreams=lambda ups, lb=lb: lb.set_replicas([_lb_upstream(u) for u in ups]),
         )
         self.controllers[name] = controller
         controller.publish_upstreams()
+
+    def _book_offers(self, spec: ServiceSpec, cloud: str) -> Callable[[], Offers]:
+        """A real cloud's quotes come from the price book the prices job keeps fresh (asking
+        the cloud's price API on every 2 s reconcile would be slow and throttled)."""
+        acc = spec.accelerator
+
+        def offers() -> Offers:
+            quotes = self.book.offers(acc.name if acc else None, acc.count if acc else None, clouds=[cloud])
+            if not quotes:  # no refresh yet: the provider itself, once, to seed the book
+                self.book.update(self.provider(cloud).offers())
+                quotes = self.book.offers(acc.name if acc else None, acc.count if acc else None, clouds=[cloud])
+            return quotes
+
+        return offers
+
+    def refresh_prices(self) -> int:
+        clouds = {name: p for name, p in list(self.providers.items()) if name != "local"}
+        return refresh_prices(clouds, self.book, self.store) if clouds else 0
 
     def restore_services(self) -> None:
         """After a restart: a controller and a load balancer for every stored service."""
@@ -218,6 +240,8 @@ class Daemon:
         self.scheduler.add_job(self.reconcile_all, "interval", seconds=RECONCILE_INTERVAL_S, id="reconcile",
                                max_instances=1)
         self.scheduler.add_job(self.probe_all, "interval", seconds=PROBE_INTERVAL_S, id="probe", max_instances=1)
+        self.scheduler.add_job(self.refresh_prices, "interval", seconds=PRICES_INTERVAL_S, id="prices",
+                               max_instances=1)
         self.scheduler.start()
 
     def shutdown(self) -> None:
