@@ -25,9 +25,9 @@ class StoreProcess:
     """One agent serving a shard store on a free port; stop() or kill() it."""
 
     def __init__(self, secret_file: Path, max_bytes: int = 256 << 20, ttl_s: float = 3600.0,
-                 extra: list[str] | None = None):
+                 extra: list[str] | None = None, port: int = 0):
         self.proc = subprocess.Popen(
-            [agent_python(), "-m", "orchestrator.agent", "--store-port", "0", "--secret-file", str(secret_file),
+            [agent_python(), "-m", "orchestrator.agent", "--store-port", str(port), "--secret-file", str(secret_file),
              "--max-bytes", str(max_bytes), "--ttl", str(ttl_s), *(extra or [])],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},

@@ -59,6 +59,19 @@ def _address(buf: Buffer) -> int:
     return np.frombuffer(buf, dtype=np.uint8).ctypes.data
 
 
+def _common_length(inputs: Sequence[Buffer], n_in: int, outputs: Sequence[Buffer], n_out: int) -> int:
+    """The one length of all buffers; a mismatch would make the kernel read or write past one."""
+    if len(inputs) != n_in or len(outputs) != n_out:
+        raise ValueError(f"expected {n_in} source and {n_out} target buffers, got {len(inputs)} and {len(outputs)}")
+    lengths = {memoryview(b).nbytes for b in (*inputs, *outputs)}
+    if len(lengths) != 1:
+        raise ValueError(f"shard buffers differ in length: {sorted(lengths)}")
+    for b in outputs:
+        if memoryview(b).readonly:
+            raise ValueError("target shard buffers must be writable")
+    return lengths.pop()
+
+
 def _pointers(addresses: Sequence[int]) -> ctypes.Array:
     return (ctypes.c_void_p * len(addresses))(*addresses)
 
@@ -94,7 +107,7 @@ class Codec:
 
     def encode_parity_into(self, data: Sequence[Buffer], parity: Sequence[Buffer]) -> None:
         """Compute the m parity shards of k equal-length data shards into `parity` (in place)."""
-        length = len(memoryview(data[0]).cast("B"))
+        length = _common_length(data, self.k, parity, self.m)
         self._lib.ec_encode_data(
             length, self.k, self.m, self._encode_tables.ctypes.data,
             _pointers([_address(d) for d in data]), _pointers([_address(p) for p in parity]),
@@ -109,7 +122,9 @@ class Codec:
             raise ValueError(f"recover_into needs exactly k={self.k} sources, got {len(indices)}")
         if not missing:
             return
-        length = len(memoryview(sources[indices[0]]).cast("B"))
+        length = _common_length([sources[i] for i in indices], self.k, out, len(missing))
+        if not all(0 <= i < self.k + self.m for i in (*indices, *missing)):
+            raise ValueError(f"shard indices must be 0..{self.k + self.m - 1}")
         tables = self._decode_table(indices, tuple(missing))
         self._lib.ec_encode_data(
             length, self.k, len(missing), tables.ctypes.data,

@@ -1,0 +1,177 @@
+"""The erasure codec: any k of k+m shards decode bit-exact; bad shards are erasures, never data."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orchestrator.kv import isal
+from orchestrator.kv.codec import HEADER_SIZE, Codec, TooManyErasures
+
+_codecs: dict[tuple[int, int], Codec] = {}
+
+
+def codec(k: int, m: int) -> Codec:
+    if (k, m) not in _codecs:
+        _codecs[(k, m)] = Codec(k, m)
+    return _codecs[(k, m)]
+
+
+@st.composite
+def coded(draw, max_size: int = 5000):
+    """(codec, payload, framed shards as bytes)."""
+    k, m = draw(st.integers(1, 10)), draw(st.integers(1, 5))
+    payload = draw(st.binary(max_size=max_size))
+    c = codec(k, m)
+    return c, payload, [bytes(f) for f in c.encode(payload)]
+
+
+relaxed = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@relaxed
+@given(coded(), st.data())
+def test_any_m_or_fewer_erasures_decode_bit_exact(sample, data):
+    c, payload, frames = sample
+    lost = data.draw(st.sets(st.integers(0, c.k + c.m - 1), max_size=c.m))
+    kept = [None if i in lost else f for i, f in enumerate(frames)]
+    if data.draw(st.booleans()):
+        kept = data.draw(st.permutations(kept))  # order does not matter: headers carry the index
+    assert c.decode(kept) == payload
+
+
+@relaxed
+@given(coded(max_size=2000), st.data())
+def test_more_than_m_erasures_fail_clearly(sample, data):
+    c, _, frames = sample
+    lost = data.draw(st.sets(st.integers(0, c.k + c.m - 1), min_size=c.m + 1, max_size=c.k + c.m))
+    with pytest.raises(TooManyErasures, match=f"need {c.k}"):
+        c.decode([None if i in lost else f for i, f in enumerate(frames)])
+
+
+@relaxed
+@given(coded(max_size=3000), st.data())
+def test_a_flipped_byte_is_an_erasure(sample, data):
+    c, payload, frames = sample
+    victim = data.draw(st.integers(0, c.k + c.m - 1))
+    position = data.draw(st.integers(0, len(frames[victim]) - 1))
+    bit = data.draw(st.integers(0, 7))
+    broken = bytearray(frames[victim])
+    broken[position] ^= 1 << bit
+    assert c.parse(broken) is None
+    corrupted = list(frames)
+    corrupted[victim] = bytes(broken)
+    assert c.decode(corrupted) == payload
+    # With m other shards lost as well, too few valid shards remain: an error, not wrong data.
+    others = [i for i in range(c.k + c.m) if i != victim][: c.m]
+    with pytest.raises(TooManyErasures):
+        c.decode([None if i in others else f for i, f in enumerate(corrupted)])
+
+
+@relaxed
+@given(coded(max_size=2000), st.integers(1, 200))
+def test_truncated_or_extended_shards_are_erasures(sample, cut):
+    c, payload, frames = sample
+    assert c.parse(frames[0][:-cut]) is None
+    assert c.parse(frames[0] + b"x" * cut) is None
+    assert c.parse(frames[0][: min(cut, HEADER_SIZE - 1)]) is None
+    assert c.decode([frames[0][:-cut], *frames[1:]]) == payload
+
+
+def test_shards_of_two_encodings_are_never_mixed():
+    c = codec(4, 2)
+    old, new = os.urandom(4096), os.urandom(4096)
+    a = [bytes(f) for f in c.encode(old)]
+    b = [bytes(f) for f in c.encode(new)]
+    # 3 of one stripe + 3 of the other: each alone is short of k, so no decode at all.
+    with pytest.raises(TooManyErasures):
+        c.decode(a[:3] + b[3:])
+    # k of the new stripe win over stale shards of the old one.
+    assert c.decode(a[:2] + b[2:]) == new
+
+
+def test_shards_of_another_code_are_erasures():
+    frames = codec(4, 2).encode(b"payload" * 100)
+    assert codec(3, 3).parse(frames[0]) is None
+    assert codec(4, 3).parse(frames[0]) is None
+
+
+def test_raw_kernel_rebuilds_data_and_parity_into_caller_buffers():
+    c = codec(8, 4)
+    rng = np.random.default_rng(1)
+    data = list(rng.integers(0, 256, (8, 4096), dtype=np.uint8))
+    parity = list(np.zeros((4, 4096), dtype=np.uint8))
+    c.encode_parity_into(data, parity)
+    shards = data + parity
+    sources = {i: shards[i] for i in (1, 3, 5, 7, 8, 9, 10, 11)}
+    lost = [0, 2, 4, 6]
+    out = list(np.zeros((4, 4096), dtype=np.uint8))
+    c.recover_into(sources, lost, out)
+    assert all(np.array_equal(out[j], data[i]) for j, i in enumerate(lost))
+    # parity too (re-creating a lost parity shard elsewhere)
+    sources = {i: shards[i] for i in (0, 1, 2, 3, 4, 5, 6, 11)}
+    out = list(np.zeros((3, 4096), dtype=np.uint8))
+    c.recover_into(sources, [8, 9, 10], out)
+    assert all(np.array_equal(out[j], parity[j]) for j in range(3))
+
+
+def test_large_payload_round_trip():
+    c = codec(8, 4)
+    payload = os.urandom((3 << 20) + 17)
+    frames = c.encode(payload)
+    assert c.decode([None, None, None, None, *frames[4:]]) == payload
+
+
+def test_crc_matches_zlib():
+    import zlib
+
+    buf = np.frombuffer(os.urandom(100_003), dtype=np.uint8)
+    assert isal.crc32(buf.ctypes.data, buf.size) == zlib.crc32(buf.tobytes())
+
+
+def test_invalid_code_parameters_are_rejected():
+    with pytest.raises(ValueError, match="k=0"):
+        Codec(0, 2)
+    with pytest.raises(ValueError, match="m=0"):
+        Codec(4, 0)
+
+
+def test_missing_isal_is_a_clear_error(monkeypatch):
+    isal.load.cache_clear()
+    monkeypatch.setattr(isal, "_candidates", lambda: ["/nonexistent/libisal.so.2"])
+    try:
+        with pytest.raises(isal.IsalUnavailable, match="pip install pyeclib"):
+            isal.load()
+    finally:
+        monkeypatch.undo()
+        isal.load.cache_clear()
+    assert isal.load() is not None
+
+
+def test_codec_benchmark_runs_and_reports_its_keys():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "benchmarks" / "bench_codec.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "BENCH_CODEC_MIB": "1", "BENCH_CODEC_REPEATS": "2"}, check=True)
+    result = json.loads(out.stdout)
+    for key in ("encode_k4m2_ratio", "decode_k4m2_ratio", "encode_k8m4_ratio", "decode_k8m4_ratio"):
+        assert result[key] > 0
+
+
+def test_raw_kernel_refuses_mismatched_buffers():
+    c = codec(4, 2)
+    data = list(np.zeros((4, 128), dtype=np.uint8))
+    with pytest.raises(ValueError, match="differ in length"):
+        c.encode_parity_into(data, [np.zeros(128, np.uint8), np.zeros(64, np.uint8)])
+    with pytest.raises(ValueError, match="expected 4 source"):
+        c.encode_parity_into(data[:3], list(np.zeros((2, 128), dtype=np.uint8)))
+    with pytest.raises(ValueError, match="writable"):
+        c.encode_parity_into(data, [bytes(128), bytes(128)])

@@ -1,0 +1,136 @@
+"""The erasure-coded pool over 6 real shard stores in 3 zones: a whole zone down is tolerated."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from orchestrator.kv.codec import HEADER_SIZE
+from orchestrator.kv.placement import StoreNode, parse_nodes
+from orchestrator.kv.pool import ErasureCodedPool, InsufficientShardsStored, shard_key
+from orchestrator.kv.store import StoreClient
+from tests.kv_stores import SECRET, StoreProcess, secret_file
+
+ZONES = ("zone-a", "zone-b", "zone-c")
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """6 stores, 2 per zone; yields (pool, {node_id: StoreProcess}, nodes)."""
+    secret = secret_file(tmp_path)
+    procs: dict[str, StoreProcess] = {}
+    nodes: list[StoreNode] = []
+    try:
+        for zone in ZONES:
+            for i in range(2):
+                node_id = f"{zone}-{i}"
+                procs[node_id] = StoreProcess(secret, max_bytes=64 << 20)
+                nodes.append(StoreNode(node_id, procs[node_id].endpoint, "local", "local-1", zone))
+        pool = ErasureCodedPool(nodes, SECRET, k=4, m=2, timeout_s=5.0)
+        yield pool, procs, nodes
+        pool.close()
+    finally:
+        for proc in procs.values():
+            proc.kill()
+
+
+def payloads(n: int) -> dict[str, bytes]:
+    return {f"prefix-hash-{i:04d}/layer-{i % 3}": os.urandom(1 + 7919 * i) for i in range(n)}
+
+
+def test_put_get_has_round_trip(cluster):
+    pool, _, _ = cluster
+    data = payloads(12)
+    first, *rest = data.items()
+    pool.put(*first)
+    pool.put_many(rest)
+    for key, value in data.items():
+        assert pool.get(key) == value
+    assert pool.get_many([*data, "absent"]) == [*data.values(), None]
+    assert pool.get_many([first[0], first[0]]) == [first[1], first[1]]
+    assert pool.has_many([*data, "absent"]) == [True] * len(data) + [False]
+    assert pool.has(first[0]) and not pool.has("absent")
+
+
+def test_a_whole_zone_down_is_tolerated_and_three_stores_down_is_not(cluster):
+    pool, procs, _ = cluster
+    data = payloads(10)
+    pool.put_many(list(data.items()))
+    for node_id in ("zone-b-0", "zone-b-1"):
+        procs[node_id].kill()
+    assert pool.get_many(list(data)) == list(data.values())
+    assert all(pool.has_many(list(data)))
+    assert all(pool.get(key) == value for key, value in data.items())
+    # a third store gone: each group (one shard per store) has lost 3 > m shards
+    procs["zone-c-0"].kill()
+    assert pool.get_many(list(data)) == [None] * len(data)
+    assert pool.has_many(list(data)) == [False] * len(data)
+    # and a put cannot reach k stores any more
+    with pytest.raises(InsufficientShardsStored, match="fewer than k=4"):
+        pool.put("new", b"payload")
+
+
+def test_put_succeeds_with_m_stores_down(cluster):
+    pool, procs, _ = cluster
+    procs["zone-a-0"].kill()
+    procs["zone-c-1"].kill()
+    pool.put("written-while-degraded", b"v" * 5000)
+    assert pool.get("written-while-degraded") == b"v" * 5000
+
+
+def test_corrupt_shards_are_erasures(cluster):
+    pool, _, nodes = cluster
+    pool.put("key", b"precious" * 1000)
+    holders = pool.holders("key")
+    by_id = {n.node_id: n for n in nodes}
+    for index in (0, 5):  # overwrite two shards in place with damaged copies
+        client = StoreClient(by_id[holders[index].node_id].endpoint, SECRET)
+        shard = bytearray(client.get(shard_key("key", index)))
+        shard[HEADER_SIZE + 3] ^= 0xFF
+        client.put(shard_key("key", index), bytes(shard))
+        client.close()
+    assert pool.get("key") == b"precious" * 1000
+    # a third damaged shard: fewer than k valid remain, so no data rather than wrong data
+    client = StoreClient(by_id[holders[2].node_id].endpoint, SECRET)
+    client.put(shard_key("key", 2), b"junk")
+    client.close()
+    assert pool.get("key") is None
+
+
+def test_membership_update_reaches_new_stores(cluster, tmp_path):
+    pool, procs, nodes = cluster
+    before = {f"before-{i}": os.urandom(3000 + i) for i in range(30)}
+    pool.put_many(list(before.items()))
+    old_holders = {key: pool.holders(key) for key in before}
+    extra = StoreProcess(secret_file(tmp_path))
+    try:
+        grown = [*nodes, StoreNode("zone-d-0", extra.endpoint, "local", "local-1", "zone-d")]
+        pool.update_nodes(grown)
+        moved = [key for key in before if pool.holders(key) != old_holders[key]]
+        assert moved  # some groups have new holders now, yet their shards are where they were
+        assert pool.get_many(list(before)) == list(before.values())
+        assert all(pool.has_many(list(before)))
+        procs["zone-a-0"].kill()  # and the old holders still count as erasure-tolerant
+        procs["zone-a-1"].kill()
+        assert pool.get_many(moved) == [before[key] for key in moved]
+        keys = [f"after-{i}" for i in range(30)]
+        pool.put_many([(k, k.encode() * 50) for k in keys])
+        assert any(n.node_id == "zone-d-0" for k in keys for n in pool.holders(k))
+        assert pool.get_many(keys) == [k.encode() * 50 for k in keys]
+    finally:
+        extra.kill()
+
+
+def test_nodes_parse_from_json_config():
+    nodes = parse_nodes([{"node_id": "r1", "endpoint": "http://127.0.0.1:1", "cloud": "local",
+                          "region": "local-1", "zone": "a"}])
+    with ErasureCodedPool(nodes, SECRET, timeout_s=0.5) as pool:
+        assert pool.get("anything") is None  # store down: unrecoverable, not an exception
+        assert not pool.has("anything")
+
+
+def test_a_key_given_twice_in_one_put_many_keeps_the_last_payload(cluster):
+    pool, _, _ = cluster
+    pool.put_many([("dup", b"first" * 100), ("other", b"x"), ("dup", b"second" * 100)])
+    assert pool.get_many(["dup", "other"]) == [b"second" * 100, b"x"]
