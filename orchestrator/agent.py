@@ -1,6 +1,11 @@
 """The agent beside vLLM on each replica: serves this replica's KV shard store.
 
     python -m orchestrator.agent --store-port P --secret-file F [--max-bytes N] [--ttl S] [--host H]
+                                 [--watch aws|gcp|azure --api DAEMON_URL [--metadata-url URL]]
+
+With --watch, the agent also polls the cloud's metadata service for preemption notices
+(orchestrator.watchers) and reports them to the daemon, authenticated with the service's
+KV secret (a replica machine never holds the daemon's admin token).
 
 Logs one line "agent: shard store listening on http://H:P" once the port is bound (with
 --store-port 0 the line names the port the OS picked). SIGTERM/SIGINT shut it down cleanly.
@@ -41,6 +46,9 @@ class AgentOptions:
     host: str = "127.0.0.1"
     max_bytes: int = 1 << 30
     ttl_s: float = 3600.0
+    watch: str | None = None  # aws | gcp | azure: the notice watcher to run
+    api_url: str | None = None
+    metadata_url: str | None = None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> AgentOptions:
@@ -50,7 +58,12 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentOptions:
     parser.add_argument("--max-bytes", type=int, default=1 << 30, help="memory bound of the store (bytes)")
     parser.add_argument("--ttl", type=float, default=3600.0, help="seconds a shard lives after its last use")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--watch", choices=("aws", "gcp", "azure"), help="watch this cloud's metadata for notices")
+    parser.add_argument("--api", dest="api_url", help="the daemon's base URL (notices go to its /v1/notices)")
+    parser.add_argument("--metadata-url", help="override the metadata server's base URL (tests)")
     args = parser.parse_args(argv)
+    if args.watch and not args.api_url:
+        parser.error("--watch needs --api DAEMON_URL")
     try:
         secret = args.secret_file.read_text().strip()
     except OSError as err:
@@ -61,7 +74,18 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentOptions:
         parser.error(f"--store-port must be 0..65535, got {args.store_port}")
     if args.max_bytes <= 0 or args.ttl <= 0:
         parser.error("--max-bytes and --ttl must be positive")
-    return AgentOptions(args.store_port, secret, args.host, args.max_bytes, args.ttl)
+    return AgentOptions(args.store_port, secret, args.host, args.max_bytes, args.ttl, args.watch, args.api_url,
+                        args.metadata_url)
+
+
+def notice_duties(options: AgentOptions) -> list[Duty]:
+    """The notice watcher the options ask for (none on the local cloud: the daemon kills)."""
+    if not options.watch:
+        return []
+    from orchestrator.watchers import WATCHERS, NoticeReporter, WatchLoop
+
+    kwargs = {"base_url": options.metadata_url} if options.metadata_url else {}
+    return [WatchLoop(WATCHERS[options.watch](**kwargs), NoticeReporter(options.api_url, options.secret))]
 
 
 async def serve(options: AgentOptions, duties: Sequence[Duty] = (), stop: asyncio.Event | None = None) -> None:
@@ -108,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     options = parse_args(argv)
     try:
-        run(options)
+        run(options, notice_duties(options))
     except OSError as err:  # the port is taken, the address is not ours, ...
         log.error("agent: cannot serve the shard store on %s:%d: %s", options.host, options.store_port,
                   err.strerror or err)

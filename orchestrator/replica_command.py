@@ -21,6 +21,7 @@ from orchestrator.state import ReplicaRow
 from providers.base import LaunchRequest, Location, Market
 
 CONNECTOR_CLASS = "SpotKVConnector"
+CLOUD_REPLICA_PYTHON = "python3"
 REPLICA_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per CPU replica
     "HF_HUB_OFFLINE": "1",
@@ -120,10 +121,21 @@ class ReplicaLauncher:
 
     def request(self, spec: ServiceSpec, row: ReplicaRow, location: Location, market: Market) -> LaunchRequest:
         kv = self.kv_config(spec, row, location)
-        command = [self.replica_python, "-m", "orchestrator.replica_main"]
+        # On a cloud VM the image's python3 has vLLM's GPU build and the project's replica
+        # side installed (templates/replica-setup.sh); locally it is .venv-replica.
+        python = self.replica_python if location.cloud == "local" else CLOUD_REPLICA_PYTHON
+        command = [python, "-m", "orchestrator.replica_main"]
+        env = dict(REPLICA_ENV)
         if kv is not None:
-            command += ["--agent-port", "{agent_port}", "--secret-file", str(kv_secret_file(spec.name))]
+            secret = kv_secret_file(spec.name)
+            command += ["--agent-port", "{agent_port}", "--secret-file", str(secret)]
             command += ["--store-max-bytes", str(spec.kv.store_max_bytes)]
+            if location.cloud != "local":
+                # A cloud VM: the secret travels in the startup script's environment, and
+                # the agent watches the cloud's metadata for notices and reports them.
+                env["SPOT_ORCHESTRATOR_KV_SECRET"] = secret.read_text().strip()
+                if self.daemon_url:
+                    command += ["--watch", location.cloud, "--api", self.daemon_url]
         command += ["--", *self.engine_args(spec, location, kv)]
         acc = spec.resources.accelerator
         return LaunchRequest(
@@ -135,5 +147,5 @@ class ReplicaLauncher:
             accelerator=acc.name if acc else None,
             accelerator_count=acc.count if acc else 0,
             command=command,
-            env=dict(REPLICA_ENV),
+            env=env,
         )
