@@ -6,5 +6,7 @@ set -euo pipefail
 python3 -m pip install --upgrade pip
 python3 -m pip install "vllm==0.33.0"
 # The project without the control plane's dependencies, plus the replica extra.
-python3 -m pip install --no-deps "${SPOT_ORCHESTRATOR_SRC:-git+https://example.invalid/spot-orchestrator.git}"
+# SPOT_ORCHESTRATOR_SRC: where this repository is on the machine (a checkout, or a wheel).
+: "${SPOT_ORCHESTRATOR_SRC:?set SPOT_ORCHESTRATOR_SRC to a checkout or wheel of spot-orchestrator}"
+python3 -m pip install --no-deps "$SPOT_ORCHESTRATOR_SRC"
 python3 -m pip install "pyeclib>=1.6" "numpy>=1.26" "httpx>=0.27" "prometheus-client>=0.20"
