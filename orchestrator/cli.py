@@ -22,6 +22,7 @@ app = typer.Typer(
 COMMAND_MODULES = [
     "service",
     "market",
+    "simulate",
 ]
 
 for _name in COMMAND_MODULES:

@@ -85,6 +85,7 @@ class Controller:
         policy: PlacementPolicy | None = None,
         offers: Callable[[], Offers] | None = None,
         on_upstreams: Callable[[list[Upstream]], None] | None = None,
+        on_notice: Callable[[Notice], object] | None = None,
         clock: Callable[[], float] = time.time,
     ):
         self.service = service
@@ -93,6 +94,9 @@ class Controller:
         self.launcher = launcher
         self.clock = clock
         self.on_upstreams = on_upstreams
+        # The daemon's migrator: a notice from the cloud's control plane must flush and move
+        # the replica's streams like one from its agent, not only mark it DRAINING.
+        self.on_notice = on_notice or self.handle_notice
         self._offers = offers or (lambda: Offers(self.provider.offers()))
         self._lock = threading.RLock()  # jobs, API calls and notices may arrive concurrently
         self._http = httpx.Client(timeout=15.0)
@@ -166,7 +170,7 @@ class Controller:
                 return  # the provider could not be read: decide nothing on stale facts
             self._observe_deaths(instances)
             for notice in self._provider_notices():
-                self.handle_notice(notice)
+                self.on_notice(notice)
             self._enforce_drain_deadlines()
             self._apply_policy(spec)
             self._advance_shutdowns(instances)
@@ -248,6 +252,7 @@ class Controller:
                         phase=phase,
                         launched_at=r.launched_at or r.created_at,
                         notice_deadline=r.notice_deadline,
+                        ready_at=r.ready_at,
                     )
                 )
         known = getattr(self.provider, "locations", lambda: None)()

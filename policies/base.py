@@ -44,6 +44,15 @@ class ReplicaView:
     phase: Phase
     launched_at: float
     notice_deadline: float | None = None
+    # When the replica first became READY (None: never). A DRAINING replica that had been
+    # ready still serves until its deadline; policies that ignore notices (SpotHedge) need
+    # this to tell it from one that was still starting.
+    ready_at: float | None = None
+
+    @property
+    def serving(self) -> bool:
+        """Answers requests now: READY, or warned (DRAINING) but up since before the notice."""
+        return self.phase is Phase.READY or (self.phase is Phase.DRAINING and self.ready_at is not None)
 
 
 class EventKind(str, enum.Enum):
