@@ -1,0 +1,62 @@
+"""Prometheus metrics of one load balancer (its own registry: the daemon runs one LB per service).
+
+In-flight counts are read from the LB at scrape time instead of being kept in a Gauge, so the
+hot path touches one dict, not a metric object, per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+# Gaps between the last token before a seam and the first after it: from a local recompute
+# (tens of ms) to a cross-zone KV fetch on a long context (seconds).
+STALL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _InFlightCollector:
+    def __init__(self, snapshot: Callable[[], Mapping[str, int]]):
+        self._snapshot = snapshot
+
+    def collect(self):
+        family = GaugeMetricFamily("spot_lb_in_flight", "Requests in flight per replica", labels=["replica"])
+        for replica, count in sorted(self._snapshot().items()):
+            family.add_metric([replica], count)
+        yield family
+
+
+class LBMetrics:
+    def __init__(self, in_flight_snapshot: Callable[[], Mapping[str, int]]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("spot_lb_requests", "Requests sent to a replica (each try)", ["replica"], registry=r)
+        self.errors = Counter("spot_lb_errors", "Failed tries and failed client requests", ["replica", "kind"],
+                              registry=r)
+        self.retries = Counter("spot_lb_retries", "Tries repeated on another replica", ["reason"], registry=r)
+        self.accounting_errors = Counter(
+            "spot_lb_accounting_errors", "In-flight decrements without a matching increment (a bug)", registry=r)
+        self.migrations = Counter("spot_lb_migrations", "Client streams continued on another replica",
+                                  ["reason", "mode"], registry=r)
+        self.migrated_tokens = Counter("spot_lb_migrated_tokens",
+                                       "Tokens already streamed when a request was continued elsewhere", registry=r)
+        self.replayed_tokens = Counter("spot_lb_replayed_tokens",
+                                       "Tokens regenerated and skipped by replay continuations", registry=r)
+        self.continuation_failures = Counter("spot_lb_continuation_failures",
+                                             "Streams that could not be continued (client saw an error)",
+                                             ["reason"], registry=r)
+        self.stall_seconds = Histogram("spot_lb_stall_seconds",
+                                       "Gap between the last token before a seam and the first after it",
+                                       buckets=STALL_BUCKETS, registry=r)
+        r.register(_InFlightCollector(in_flight_snapshot))
+        self._request_children: dict[str, object] = {}
+
+    def count_request(self, replica: str) -> None:
+        child = self._request_children.get(replica)
+        if child is None:  # labels() costs a lock and a tuple; cache the child per replica
+            child = self._request_children[replica] = self.requests.labels(replica)
+        child.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
