@@ -57,6 +57,11 @@ def daemon(state_home, monkeypatch):
         LocalProvider().close()
 
 
+def steady_on_spot(replicas: list[dict]) -> bool:
+    ready_spot = [r for r in replicas if r["market"] == "spot" and r["state"] == "READY"]
+    return len(ready_spot) >= 4 and not any(r["market"] == "on_demand" for r in replicas)
+
+
 def live(client) -> list[dict]:
     terminal = {"TERMINATED", "PREEMPTED", "FAILED", "FAILED_PROVISION", "FAILED_PROBING", "FAILED_INITIAL_DELAY"}
     return [r for r in client.get("/v1/services/live").json()["replicas"] if r["state"] not in terminal]
@@ -65,9 +70,10 @@ def live(client) -> list[dict]:
 def test_zone_wide_preemption_falls_back_to_on_demand_and_returns_to_spot(daemon):
     d, client = daemon
     client.post("/v1/services", json={"yaml": SPEC}).raise_for_status()
-    wait_for(lambda: sum(r["state"] == "READY" for r in live(client)) == 4, 60, "4 READY replicas")
+    # Steady state first: 4 READY spot replicas and nothing else (a probe that times out on a
+    # loaded machine may briefly bring on-demand cover; it goes once the replica answers).
+    wait_for(lambda: steady_on_spot(live(client)), 90, "4 READY spot replicas and no on-demand")
     replicas = live(client)
-    assert all(r["market"] == "spot" for r in replicas)
     by_zone: dict[str, list[str]] = {}
     for r in replicas:
         by_zone.setdefault(r["zone"], []).append(r["replica_id"])
@@ -92,13 +98,6 @@ def test_zone_wide_preemption_falls_back_to_on_demand_and_returns_to_spot(daemon
     wait_for(lambda: sum(r["state"] == "READY" for r in live(client)) >= 4, 60, "4 READY replicas again")
 
     # Once the domain is calm, spot comes back and the cover goes.
-    def back_on_spot():
-        rs = live(client)
-        ready_spot = [r for r in rs if r["market"] == "spot" and r["state"] == "READY"]
-        return len(ready_spot) >= 4 and not any(r["market"] == "on_demand" for r in rs)
-
-    wait_for(back_on_spot, CALM_S + 60, "the service to move back to spot")
-    events = client.get("/v1/events", params={"service": "live", "limit": 500}).json()
-    removed_cover = [e for e in events if e["kind"] == "transition" and "SHUTTING_DOWN" in e["message"]
-                     and e["market"] in (None, "on_demand")]
-    assert removed_cover or True  # transitions carry no market; the state check above is the proof
+    wait_for(lambda: steady_on_spot(live(client)), CALM_S + 60, "the service to move back to spot")
+    states = {r["replica_id"]: r["state"] for r in client.get("/v1/services/live").json()["replicas"]}
+    assert all(states[e["replica_id"]] == "TERMINATED" for e in cover), "the on-demand cover was not removed"
