@@ -42,11 +42,11 @@ def main() -> None:
         sys.exit(130)
     except KeyboardInterrupt:
         sys.exit(130)
-    except Exception as err:  # click usage errors and anything unforeseen: one line, no traceback
-        import click
-
-        if isinstance(err, click.ClickException):
-            err.show()
+    except Exception as err:  # usage errors and anything unforeseen: one line, no traceback
+        if hasattr(err, "format_message") and hasattr(err, "exit_code"):  # (typer's vendored) click errors
+            ctx = getattr(err, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            typer.echo(f"error: {err.format_message()}{hint}", err=True)
             sys.exit(err.exit_code)
         typer.echo(f"error: {type(err).__name__}: {err}", err=True)
         sys.exit(1)
