@@ -31,7 +31,7 @@ for _name in COMMAND_MODULES:
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        app(standalone_mode=False, prog_name="spotctl")
     except UserError as err:
         typer.echo(f"error: {err}", err=True)
         sys.exit(err.exit_code)
