@@ -30,6 +30,7 @@ from orchestrator.replica import ReplicaState
 from orchestrator.replica_command import kv_secret_file
 from orchestrator.spec import ServiceSpec, load_spec
 from orchestrator.state import ReplicaRow, ServiceRow
+from policies.base import DEFAULT_POLICY
 from providers.base import Notice, NoticeKind
 
 
@@ -74,6 +75,10 @@ def replica_json(r: ReplicaRow) -> dict[str, Any]:
     }
 
 
+def resolved_policy_name(name: str) -> str:
+    return f"{DEFAULT_POLICY} (default)" if name in ("default", DEFAULT_POLICY) else name
+
+
 def service_json(row: ServiceRow, replicas: list[ReplicaRow]) -> dict[str, Any]:
     spec = ServiceSpec.from_json(row.spec_json)
     return {
@@ -84,7 +89,7 @@ def service_json(row: ServiceRow, replicas: list[ReplicaRow]) -> dict[str, Any]:
         "replicas_total": sum(1 for r in replicas),
         "uptime_s": time.time() - row.created_at,
         "created_at": row.created_at,
-        "policy": spec.service.placement_policy,
+        "policy": resolved_policy_name(spec.service.placement_policy),
         "load_balancing_policy": spec.service.load_balancing_policy,
         "resources": spec.to_dict().get("resources", {}),
         "replicas": [replica_json(r) for r in replicas],

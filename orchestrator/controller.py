@@ -26,8 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from orchestrator import decisions
 from orchestrator.autoscaler import AutoscalerConfig, RequestRateAutoscaler
-from orchestrator.replica import ReplicaState, is_alive, phase_for_policy
+from orchestrator.replica import ReplicaState
 from orchestrator.replica_command import ReplicaLauncher
 from orchestrator.spec import ServiceSpec
 from orchestrator.state import ReplicaRow, ServiceStatus, Store
@@ -36,12 +37,10 @@ from policies.base import (
     MarketEvent,
     PlacementPolicy,
     PolicyInput,
-    ReplicaView,
     load_policy,
 )
 from providers.base import (
     TAG_SERVICE,
-    CapacityError,
     Instance,
     InstanceStatus,
     Location,
@@ -61,6 +60,8 @@ DEFAULT_FAILURE_TIMEOUT_S = 180.0
 # Past its notice deadline plus this, a DRAINING replica is terminated by us if the cloud
 # has not done it (some clouds' notices are best effort).
 DRAIN_OVERRUN_S = 10.0
+# Consecutive failed probes before a READY replica counts as NOT_READY (and gets covered).
+NOT_READY_AFTER_FAILURES = 2
 MARKET_EVENT_KINDS = {k.value for k in EventKind}
 
 
@@ -192,11 +193,11 @@ class Controller:
             inst = instances.get(r.instance_id)
             if inst is not None and inst.status is not InstanceStatus.TERMINATED:
                 continue
-            if r.market_enum is Market.SPOT or state is S.DRAINING:
-                self._set_state(r, S.PREEMPTED, "the instance is gone (reclaimed by the cloud)")
-                self.market_event(EventKind.PREEMPTED, r, "instance gone")
+            outcome = decisions.instance_gone(state, r.market_enum)
+            if outcome.event is EventKind.PREEMPTED:
+                self._apply_outcome(r, outcome, "the instance is gone (reclaimed by the cloud)", "instance gone")
             else:
-                self._set_state(r, S.FAILED, "the on-demand instance exited on its own")
+                self._apply_outcome(r, outcome, "the on-demand instance exited on its own")
 
     def _provider_notices(self) -> list[Notice]:
         try:
@@ -211,19 +212,20 @@ class Controller:
         notice is for an instance of another service / already dead."""
         with self._lock:
             replica = self._replica_for_instance(notice.instance_id)
-            if replica is None or not is_alive(replica.replica_state):
+            if replica is None:
                 return None
-            if replica.replica_state is S.DRAINING:
-                return replica
-            if replica.replica_state in (S.PENDING, S.PROVISIONING):
-                return None  # not running yet: the death will be observed
-            replica = self._set_state(
+            outcome = decisions.notice_arrived(replica.replica_state)
+            if outcome.state is None:
+                # Already draining (a repeat: still ours to migrate), or not running yet
+                # (the death will be observed) / dead.
+                return replica if replica.replica_state is S.DRAINING else None
+            replica = self._apply_outcome(
                 replica,
-                S.DRAINING,
+                outcome,
                 f"{notice.kind.value} notice from {notice.source or 'provider'}",
+                f"{notice.kind.value}, deadline {notice.deadline:.0f}",
                 notice_deadline=notice.deadline,
             )
-            self.market_event(EventKind.NOTICE, replica, f"{notice.kind.value}, deadline {notice.deadline:.0f}")
             self.publish_upstreams()
             return replica
 
@@ -240,41 +242,38 @@ class Controller:
                 self._begin_shutdown(r, "notice deadline passed; terminating")
 
     def policy_input(self, spec: ServiceSpec) -> PolicyInput:
-        views = []
-        for r in self.store.list_replicas(self.service):
-            phase = phase_for_policy(r.replica_state)
-            if phase is not None:
-                views.append(
-                    ReplicaView(
-                        replica_id=r.replica_id,
-                        location=r.location,
-                        market=r.market_enum,
-                        phase=phase,
-                        launched_at=r.launched_at or r.created_at,
-                        notice_deadline=r.notice_deadline,
-                        ready_at=r.ready_at,
-                    )
-                )
         known = getattr(self.provider, "locations", lambda: None)()
         locations = spec.candidate_locations(known=known)
-        offers = Offers(self._offers()).in_locations(locations)
-        return PolicyInput(
+        return decisions.policy_input(
             now=self.clock(),
             target=self.autoscaler.target(self.clock()),
-            replicas=views,
+            replicas=(
+                decisions.replica_view(
+                    r.replica_id,
+                    r.location,
+                    r.market_enum,
+                    r.replica_state,
+                    r.launched_at or r.created_at,
+                    r.notice_deadline,
+                    r.ready_at,
+                )
+                for r in self.store.list_replicas(self.service)
+            ),
             locations=locations,
-            offers=offers,
+            offers=decisions.price_book(self._offers(), locations),
             params=spec.policy_params(),
         )
 
     def _apply_policy(self, spec: ServiceSpec) -> None:
         decision = self.policy.decide(self.policy_input(spec))
         by_id = {r.replica_id: r for r in self.store.list_replicas(self.service)}
-        for removal in decision.removals:
-            r = by_id.get(removal.replica_id)
-            if r is not None and is_alive(r.replica_state):
-                self._begin_shutdown(r, f"policy: {removal.reason}")
-        for launch in decision.launches:
+        steps = decisions.plan(decision, lambda rid: by_id[rid].replica_state if rid in by_id else None)
+        for removal in steps.removals:
+            r = by_id[removal.replica_id]
+            outcome = decisions.removed(r.replica_state)
+            self._begin_shutdown(r, f"policy: {removal.reason}")
+            self.market_event(outcome.event, r, removal.reason)
+        for launch in steps.launches:
             self._launch(spec, launch.location, launch.market, launch.reason)
 
     def _launch(self, spec: ServiceSpec, location: Location, market: Market, reason: str) -> None:
@@ -288,21 +287,22 @@ class Controller:
         request = self.launcher.request(spec, row, location, market)
         try:
             inst = self.provider.launch(request)
-        except CapacityError as err:
-            row = self._set_state(row, S.FAILED_PROVISION, f"no capacity: {err}")
-            self.market_event(EventKind.CAPACITY_ERROR, row, str(err))
-            return
-        except TransientError as err:
-            # The replica row stays failed; the next reconcile asks the policy again.
-            self._set_state(row, S.FAILED_PROVISION, f"transient launch error: {err}")
-            return
         except ProviderError as err:
-            self._set_state(row, S.FAILED_PROVISION, f"launch failed: {err}")
+            # The replica row stays failed; the next reconcile asks the policy again.
+            outcome = decisions.launch_failed(err)
+            if outcome.event is EventKind.CAPACITY_ERROR:
+                why = f"no capacity: {err}"
+            elif isinstance(err, TransientError):
+                why = f"transient launch error: {err}"
+            else:
+                why = f"launch failed: {err}"
+            self._apply_outcome(row, outcome, why, str(err))
             return
-        row = self._set_state(
+        self._apply_outcome(
             row,
-            S.STARTING,
+            decisions.LAUNCH_GRANTED,
             f"instance {inst.instance_id} running",
+            reason,
             instance_id=inst.instance_id,
             instance_type=inst.instance_type,
             endpoint=inst.endpoint,
@@ -311,14 +311,11 @@ class Controller:
             launched_at=inst.launched_at,
             price_per_hour=inst.price_per_hour,
         )
-        self.market_event(EventKind.LAUNCHED, row, reason)
 
     def _begin_shutdown(self, r: ReplicaRow, reason: str) -> None:
-        if r.replica_state is S.PENDING:
-            self._set_state(r, S.TERMINATED, reason)
-            return
-        self._set_state(r, S.SHUTTING_DOWN, reason)
-        if r.instance_id:
+        state = decisions.removed(r.replica_state).state
+        self._set_state(r, state, reason)
+        if state is S.SHUTTING_DOWN and r.instance_id:
             self._terminate(r.instance_id)
 
     def _terminate(self, instance_id: str) -> None:
@@ -376,6 +373,19 @@ class Controller:
     def _set_state(self, r: ReplicaRow, state: ReplicaState, reason: str, **fields) -> ReplicaRow:
         return self.store.update_replica(r.replica_id, r.version, reason=reason, state=state.value, **fields)
 
+    def _apply_outcome(
+        self, r: ReplicaRow, outcome: decisions.Outcome, reason: str, event_message: str = "", **fields
+    ) -> ReplicaRow:
+        """Carry out a fact's consequence (orchestrator.decisions): the state change, then
+        the market event, if any."""
+        if outcome.state is not None:
+            r = self._set_state(r, outcome.state, reason, **fields)
+        elif fields:
+            r = self.store.update_replica(r.replica_id, r.version, **fields)
+        if outcome.event is not None:
+            self.market_event(outcome.event, r, event_message or reason)
+        return r
+
     # ---- readiness probes -------------------------------------------------------------
 
     def probe(self) -> None:
@@ -420,12 +430,10 @@ class Controller:
         state = r.replica_state
         if ok:
             if state in (S.STARTING, S.NOT_READY):
-                r = self._set_state(
-                    r, S.READY, "readiness probe succeeded", ready_at=r.ready_at or now, last_probe_ok_at=now,
-                    consecutive_probe_failures=0,
+                self._apply_outcome(
+                    r, decisions.became_ready(state), "readiness probe succeeded", "first probe succeeded",
+                    ready_at=r.ready_at or now, last_probe_ok_at=now, consecutive_probe_failures=0,
                 )
-                if state is S.STARTING:
-                    self.market_event(EventKind.READY, r, "first probe succeeded")
             elif r.consecutive_probe_failures:
                 self.store.update_replica(r.replica_id, r.version, consecutive_probe_failures=0, last_probe_ok_at=now)
             return
@@ -437,7 +445,11 @@ class Controller:
             return
         failures = r.consecutive_probe_failures + 1
         if state is S.READY:
-            self._set_state(r, S.NOT_READY, "readiness probe failed", consecutive_probe_failures=failures)
+            if failures >= NOT_READY_AFTER_FAILURES:
+                self._set_state(r, S.NOT_READY, f"{failures} readiness probes failed",
+                                consecutive_probe_failures=failures)
+            else:  # one slow answer on a busy machine is not an outage: no cover launched for it
+                self.store.update_replica(r.replica_id, r.version, consecutive_probe_failures=failures)
             return
         timeout = probe.consecutive_failure_threshold_timeout or DEFAULT_FAILURE_TIMEOUT_S
         if now - (r.last_probe_ok_at or r.ready_at or now) > timeout:

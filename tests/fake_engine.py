@@ -42,7 +42,9 @@ def main() -> None:
                              "choices": [{"index": 0, "text": f"from {opts.port}", "finish_reason": "stop"}],
                              "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}})
 
-    ThreadingHTTPServer(("127.0.0.1", opts.port), Handler).serve_forever()
+    server = ThreadingHTTPServer(("127.0.0.1", opts.port), Handler)
+    print(f"fake engine {opts.name} listening on port {opts.port}", flush=True)
+    server.serve_forever()
 
 
 if __name__ == "__main__":
