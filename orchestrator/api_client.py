@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from orchestrator import auth, paths
+from orchestrator import auth, paths, procs
 from orchestrator.errors import UserError
 
 # 0 = any free port (tests run several daemons side by side).
@@ -34,19 +34,9 @@ def read_daemon_info() -> dict[str, Any] | None:
         return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def running_daemon_url() -> str | None:
     info = read_daemon_info()
-    if not info or not _pid_alive(int(info.get("pid", 0))):
+    if not info or not procs.pid_alive(int(info.get("pid", 0))):
         return None
     try:
         r = httpx.get(f"{info['url']}/v1/health", timeout=2.0)

@@ -99,6 +99,7 @@ class Controller:
         # the replica's streams like one from its agent, not only mark it DRAINING.
         self.on_notice = on_notice or self.handle_notice
         self._offers = offers or (lambda: Offers(self.provider.offers()))
+        self.reconciles = 0
         self._lock = threading.RLock()  # jobs, API calls and notices may arrive concurrently
         self._http = httpx.Client(timeout=15.0)
         self._probe_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"probe-{service}")
@@ -177,6 +178,7 @@ class Controller:
             self._advance_shutdowns(instances)
             self._update_service_status()
             self.publish_upstreams()
+            self.reconciles += 1  # completed passes (tests and status pages read it)
 
     def _observe_instances(self) -> dict[str, Instance] | None:
         try:
@@ -253,7 +255,7 @@ class Controller:
                     r.location,
                     r.market_enum,
                     r.replica_state,
-                    r.launched_at or r.created_at,
+                    r.launched_at if r.launched_at is not None else r.created_at,
                     r.notice_deadline,
                     r.ready_at,
                 )

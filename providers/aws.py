@@ -46,7 +46,6 @@ from providers import sdk
 
 log = logging.getLogger(__name__)
 
-TAG_PORT = "spot-orchestrator-port"
 LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
 SPOT_WARNING = "EC2 Spot Instance Interruption Warning"
 REBALANCE = "EC2 Instance Rebalance Recommendation"
@@ -188,9 +187,7 @@ class AWSProvider(Provider):
         existing = self.list({TAG_SERVICE: request.service, TAG_REPLICA: request.replica_id})
         if existing:  # a retried launch after the token expired, or after a daemon restart
             return existing[0]
-        tags = request.all_tags()
-        if request.port is not None:
-            tags[TAG_PORT] = str(request.port)
+        tags = sdk.launch_tags(request)
         params = {
             "ImageId": self._image_id or self._default_image(region),
             "InstanceType": request.instance_type,
@@ -241,9 +238,12 @@ class AWSProvider(Provider):
             raise ProviderError(f"aws {region}: no Deep Learning GPU AMI found; pass image_id=")
         return images[-1]["ImageId"]
 
+    def _regions_to_search(self, instance_id: str) -> list[str]:
+        """The instance's region when launch or list has seen it, else every region."""
+        return [self._region_of[instance_id]] if instance_id in self._region_of else self.regions
+
     def get(self, instance_id: str) -> Instance | None:
-        regions = [self._region_of[instance_id]] if instance_id in self._region_of else self.regions
-        for region in regions:
+        for region in self._regions_to_search(instance_id):
             ec2 = self._ec2(region)
             try:
                 reply = self._call(lambda ec2=ec2: ec2.describe_instances(InstanceIds=[instance_id]))
@@ -275,8 +275,7 @@ class AWSProvider(Provider):
         return out
 
     def terminate(self, instance_id: str) -> None:
-        regions = [self._region_of[instance_id]] if instance_id in self._region_of else self.regions
-        for region in regions:
+        for region in self._regions_to_search(instance_id):
             ec2 = self._ec2(region)
             try:
                 self._call(lambda ec2=ec2: ec2.terminate_instances(InstanceIds=[instance_id]))
@@ -291,7 +290,6 @@ class AWSProvider(Provider):
                   "stopping": InstanceStatus.STOPPING, "stopped": InstanceStatus.STOPPING,
                   "shutting-down": InstanceStatus.STOPPING}.get(state, InstanceStatus.TERMINATED)
         host = item.get("PublicIpAddress") or item.get("PrivateIpAddress")
-        port = tags.get(TAG_PORT)
         zone = item.get("Placement", {}).get("AvailabilityZone", "")
         launched = item.get("LaunchTime")
         return Instance(
@@ -301,7 +299,7 @@ class AWSProvider(Provider):
             instance_type=item.get("InstanceType", ""),
             status=status,
             tags=tags,
-            endpoint=f"http://{host}:{port}" if host and port else None,
+            endpoint=sdk.endpoint(host, tags),
             launched_at=_parse_time(launched) if launched else time.time(),
         )
 

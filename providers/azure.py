@@ -54,7 +54,6 @@ RETAIL_PRICES_URL = "https://prices.azure.com/api/retail/prices"
 DEFAULT_IMAGE = {"publisher": "Canonical", "offer": "0001-com-ubuntu-server-jammy", "sku": "22_04-lts-gen2",
                  "version": "latest"}
 NETWORK_API_VERSION = "2022-11-01"
-TAG_PORT = "spot-orchestrator-port"
 _CAPACITY = {"SkuNotAvailable", "AllocationFailed", "ZonalAllocationFailed", "OverconstrainedAllocationRequest",
              "OverconstrainedZonalAllocationRequest", "SpotCapacityNotAvailable"}
 _QUOTA = {"QuotaExceeded", "OperationNotAllowed", "SkuQuotaExceeded"}
@@ -216,12 +215,9 @@ class AzureProvider(Provider):
         if self._ssh_public_key:
             linux.ssh = m.SshConfiguration(public_keys=[m.SshPublicKey(
                 path=f"/home/{self._admin_username}/.ssh/authorized_keys", key_data=self._ssh_public_key)])
-        tags = request.all_tags()
-        if request.port is not None:
-            tags[TAG_PORT] = str(request.port)
         vm = m.VirtualMachine(
             location=request.location.region,
-            tags=tags,
+            tags=sdk.launch_tags(request),
             hardware_profile=m.HardwareProfile(vm_size=request.instance_type),
             storage_profile=m.StorageProfile(
                 image_reference=m.ImageReference(**self._image),
@@ -257,9 +253,8 @@ class AzureProvider(Provider):
         except NotFoundError:
             return None
         instance = self._to_instance(vm)
-        if instance.status is InstanceStatus.RUNNING and TAG_PORT in instance.tags:
-            host = self._address(vm)
-            instance.endpoint = f"http://{host}:{instance.tags[TAG_PORT]}" if host else None
+        if instance.status is InstanceStatus.RUNNING and sdk.TAG_PORT in instance.tags:
+            instance.endpoint = sdk.endpoint(self._address(vm), instance.tags)
         return instance
 
     def _address(self, vm: m.VirtualMachine) -> str | None:

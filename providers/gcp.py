@@ -43,7 +43,6 @@ from providers import sdk
 
 log = logging.getLogger(__name__)
 
-TAG_PORT = "spot-orchestrator-port"
 PREEMPTED_FILTER = 'operationType="compute.instances.preempted"'
 SPOT_NOTICE_S = 30  # GCP gives spot VMs 30 s between the preemption and the hard stop
 DEFAULT_IMAGE = ("projects/ubuntu-os-accelerator-images/global/images/family/"
@@ -257,9 +256,7 @@ class GCPProvider(Provider):
     def _instance_resource(self, request: LaunchRequest, name: str) -> compute_v1.Instance:
         zone = request.location.zone
         machine, _, attached = request.instance_type.partition("+")
-        labels = {label(k): label(v) for k, v in request.all_tags().items()}
-        if request.port is not None:
-            labels[TAG_PORT] = str(request.port)
+        labels = {label(k): label(v) for k, v in sdk.launch_tags(request).items()}
         spot = request.market is Market.SPOT
         scheduling = compute_v1.Scheduling(
             provisioning_model="SPOT" if spot else "STANDARD",
@@ -340,7 +337,6 @@ class GCPProvider(Provider):
         if item.network_interfaces:
             nic = item.network_interfaces[0]
             host = (nic.access_configs[0].nat_i_p if nic.access_configs else "") or nic.network_i_p or None
-        port = labels.get(TAG_PORT)
         machine = item.machine_type.rpartition("/")[2]
         accelerators = list(item.guest_accelerators)
         if accelerators:  # name it the way offers do, so prices and instances join up
@@ -355,7 +351,7 @@ class GCPProvider(Provider):
             instance_type=machine,
             status=status,
             tags=labels,
-            endpoint=f"http://{host}:{port}" if host and port else None,
+            endpoint=sdk.endpoint(host, labels),
             launched_at=_parse_time(item.creation_timestamp) or self._clock(),
         )
 

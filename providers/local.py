@@ -65,7 +65,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator import paths
+from orchestrator import paths, procs
 from providers.base import (
     CapacityError,
     Instance,
@@ -121,28 +121,8 @@ def configured_locations(root: Path | None = None) -> list[Location]:
     return [Location(CLOUD, REGION, zone) for zone in zones]
 
 
-# ---- processes (Linux /proc, with a portable fallback) ----------------------------------
+# ---- processes (liveness in orchestrator/procs.py) -----------------------------------
 
-
-@dataclasses.dataclass(frozen=True)
-class _ProcStat:
-    state: str
-    pgid: int
-    start_time: int  # clock ticks since boot: tells a reused pid from the original
-
-
-def _proc_stat(pid: int) -> _ProcStat | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()  # the command name may contain spaces
-    return _ProcStat(state=fields[0], pgid=int(fields[2]), start_time=int(fields[19]))
-
-
-_HAVE_PROC = Path("/proc/self/stat").exists()
 _CHILDREN: dict[int, subprocess.Popen] = {}  # processes this interpreter started: reap them
 
 
@@ -153,36 +133,8 @@ def _reap(pid: int) -> None:
 
 
 def _pid_alive(pid: int, start_time: int | None) -> bool:
-    _reap(pid)
-    if not _HAVE_PROC:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    stat = _proc_stat(pid)
-    if stat is None or stat.state in ("Z", "X"):
-        return False
-    return start_time is None or stat.start_time == start_time
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group."""
-    if not _HAVE_PROC:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
-    members = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            stat = _proc_stat(int(entry.name))
-            if stat is not None and stat.pgid == pgid and stat.state not in ("Z", "X"):
-                members.append(int(entry.name))
-    return members
+    _reap(pid)  # a child of ours stays a zombie (and its pid taken) until it is waited for
+    return procs.pid_alive(pid, start_time)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -196,7 +148,7 @@ def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
         _reap(pgid)
-        if not _group_members(pgid):
+        if not procs.group_members(pgid):
             return True
         if time.monotonic() >= deadline:
             return False
@@ -442,7 +394,7 @@ class LocalProvider(Provider):
                     f"launch of {request.replica_id}: cannot run {command[0]!r}: {err.strerror}"
                 ) from None
         _CHILDREN[proc.pid] = proc
-        stat = _proc_stat(proc.pid)
+        stat = procs.proc_stat(proc.pid)
         return {
             "instance_id": instance_id,
             "client_token": request.client_token,
@@ -477,7 +429,7 @@ class LocalProvider(Provider):
             self._registry.save(record)
         self._cancel_timer(instance_id)
         # Outside the lock: stopping may take stop_timeout_s and others must not wait for it.
-        if _pid_alive(record["pid"], record["start_time"]) or _group_members(record["pgid"]):
+        if _pid_alive(record["pid"], record["start_time"]) or procs.group_members(record["pgid"]):
             _kill_group(record["pgid"], self.stop_timeout_s)
         with self._registry.locked():
             record = self._registry.instance(instance_id)

@@ -1,5 +1,6 @@
 """Plumbing the AWS, GCP and Azure adapters share: SDK calls with typed errors and the one
-backoff, and the boot script a cloud VM runs to start its replica."""
+backoff, the boot script a cloud VM runs to start its replica, and the port tag that lets a
+listed VM be reached again (its endpoint)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from orchestrator.retry import retry
 from providers.base import LaunchRequest, Location, Market, ProviderError, TransientError
 
 T = TypeVar("T")
+# The engine's port, kept on the VM itself, so a restarted daemon can still reach a VM it adopts.
+TAG_PORT = "spot-orchestrator-port"
 ErrorMap = Callable[[Exception, Location | None, Market | None], ProviderError]
 
 
@@ -36,3 +39,17 @@ def startup_script(request: LaunchRequest) -> str:
     if request.command:
         lines.append("exec " + " ".join(shlex.quote(part) for part in request.command))
     return "\n".join(lines) + "\n"
+
+
+def launch_tags(request: LaunchRequest) -> dict[str, str]:
+    """The tags (GCP: labels) a replica's VM is created with: the request's, plus its port."""
+    tags = request.all_tags()
+    if request.port is not None:
+        tags[TAG_PORT] = str(request.port)
+    return tags
+
+
+def endpoint(host: str | None, tags: dict[str, str]) -> str | None:
+    """The engine's URL on a VM: its address and the port it was tagged with; None until both are known."""
+    port = tags.get(TAG_PORT)
+    return f"http://{host}:{port}" if host and port else None

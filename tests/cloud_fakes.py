@@ -81,3 +81,11 @@ def serve(route: Callable[[Request], Reply]) -> Iterator[FakeServer]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def serving(fake):
+    """`fake` (an object with a `route` method) served on 127.0.0.1, its server at `fake.server`."""
+    with serve(fake.route) as server:
+        fake.server = server
+        yield fake

@@ -1,4 +1,4 @@
-"""Shared test fixtures: isolated state directories, free ports, the replica runtime check."""
+"""Shared test fixtures: isolated state directories, free ports, the replica runtime check, moto."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, moto_session
 
 REPO = Path(__file__).resolve().parent.parent
 REPLICA_PYTHON = REPO / ".venv-replica" / "bin" / "python"
@@ -58,3 +58,22 @@ def state_home(tmp_path, monkeypatch, models_dir) -> Path:
     monkeypatch.setenv("SPOT_ORCHESTRATOR_DAEMON_PORT", str(free_port()))
     monkeypatch.setenv("SPOT_ORCHESTRATOR_MODELS", str(models_dir))
     return home
+
+
+@pytest.fixture(scope="module")
+def moto_url():
+    """moto's server (EC2, SQS, ...) on 127.0.0.1, for real boto3 clients (see helpers.moto_session)."""
+    from moto.server import ThreadedMotoServer  # only the AWS tests pay for importing moto
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def moto_image(moto_url) -> str:
+    """An AMI id moto knows (its AMI list is long: asked once per module)."""
+    ec2 = moto_session().client("ec2", endpoint_url=moto_url)
+    return ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -23,3 +27,69 @@ def spotctl(*args: str, check: bool = True, timeout: float = 900, env: dict | No
     if check and proc.returncode != 0:
         raise AssertionError(f"spotctl {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition", interval: float = 0.2):
+    """predicate()'s first truthy value, polled every `interval` s; AssertionError after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    """Alive and not a zombie (a zombie still answers os.kill(pid, 0)). Read here, not through
+    orchestrator.procs, so a test does not trust the code it checks."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def moto_session(region: str = "us-east-1"):
+    """A boto3 session with the fake credentials moto accepts."""
+    import boto3  # here, not at the top: conftest imports this module for every test
+
+    return boto3.session.Session(aws_access_key_id="testing", aws_secret_access_key="testing", region_name=region)
+
+
+@contextlib.contextmanager
+def running_daemon(monkeypatch, *, probe_interval_s: float | None = 0.5, keep_services: bool = False,
+                   **daemon_kwargs) -> Iterator[tuple]:
+    """(daemon, client with its token): a daemon's API and jobs in this process on a free port,
+    reconciling every 0.5 s (probing too, unless probe_interval_s is None). On exit every service
+    is taken down (keep_services=True leaves them for a restarted daemon to adopt), the server
+    stops, and the local cloud's timers are closed."""
+    import httpx  # the daemon's stack is heavy: only the tests that run one import it
+
+    from orchestrator.daemon import Daemon, DaemonServer
+    from orchestrator.state import Store
+    from providers.local import LocalProvider
+
+    monkeypatch.setattr("orchestrator.daemon.RECONCILE_INTERVAL_S", 0.5)
+    if probe_interval_s is not None:
+        monkeypatch.setattr("orchestrator.daemon.PROBE_INTERVAL_S", probe_interval_s)
+    daemon = Daemon(store=Store(), **daemon_kwargs)
+    server = DaemonServer(daemon, "127.0.0.1", 0)
+    server.start_in_thread()
+    client = httpx.Client(base_url=daemon.url, headers={"Authorization": f"Bearer {daemon.token}"}, timeout=60)
+    try:
+        yield daemon, client
+    finally:
+        try:
+            if not keep_services:
+                for svc in client.get("/v1/services").json():
+                    client.delete(f"/v1/services/{svc['name']}")
+                wait_for(lambda: not client.get("/v1/services").json(), 180, "services to go down", 0.5)  # vLLM: slow
+        finally:
+            server.stop()
+            if "local" in daemon.providers:
+                LocalProvider().close()

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 
+from tests import helpers
+
 
 def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+    # Polled fast: a stream's state (in flight, chunks) changes within milliseconds.
+    return helpers.wait_for(condition, timeout, what, interval=0.02)
 
 
 def metric(lb_url: str, prefix: str) -> float:

@@ -6,15 +6,12 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-import socket
 
-import boto3
 import pytest
 from botocore.exceptions import EndpointConnectionError, NoCredentialsError
 from botocore.stub import ANY, Stubber
 from moto.backends import get_backend
 from moto.core import DEFAULT_ACCOUNT_ID
-from moto.server import ThreadedMotoServer
 
 from providers.aws import AWSProvider, map_error, parse_event
 from providers.base import (
@@ -30,38 +27,15 @@ from providers.base import (
     QuotaError,
     TransientError,
 )
+from tests.helpers import moto_session
 
 REGION = "us-east-1"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_url():
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
-
-
-def _session() -> boto3.session.Session:
-    return boto3.session.Session(aws_access_key_id="testing", aws_secret_access_key="testing", region_name=REGION)
-
-
-@pytest.fixture(scope="module")
-def image(moto_url):
-    ec2 = _session().client("ec2", endpoint_url=moto_url)  # moto's AMI list is long: ask once
-    return ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-
-
 @pytest.fixture
-def provider(moto_url, image):
-    aws = AWSProvider([REGION], session=_session(), endpoint_url=moto_url, image_id=image, sleep=lambda s: None)
+def provider(moto_url, moto_image):
+    aws = AWSProvider([REGION], session=moto_session(REGION), endpoint_url=moto_url, image_id=moto_image,
+                      sleep=lambda s: None)
     yield aws
     for instance in aws.list():
         aws.terminate(instance.instance_id)
@@ -84,7 +58,7 @@ def test_spot_and_on_demand_launch_are_tagged_and_found_by_tag(provider):
     assert found[on_demand.instance_id].tags[TAG_REPLICA] == "r2"
     assert provider.list({TAG_SERVICE: "other"}) == []
     # A fresh provider (a restarted daemon) finds them again by tag.
-    again = AWSProvider([REGION], session=_session(), endpoint_url=provider._endpoint_url)
+    again = AWSProvider([REGION], session=moto_session(REGION), endpoint_url=provider._endpoint_url)
     assert {i.instance_id for i in again.list()} >= set(found)
 
 
@@ -122,7 +96,7 @@ def _event(detail_type: str, instance_id: str, when: str) -> str:
 
 
 def test_eventbridge_messages_on_sqs_become_notices(moto_url):
-    sqs = _session().client("sqs", endpoint_url=moto_url)
+    sqs = moto_session(REGION).client("sqs", endpoint_url=moto_url)
     queue = sqs.create_queue(QueueName="spot-events")["QueueUrl"]
     sqs.send_message(QueueUrl=queue, MessageBody=_event("EC2 Spot Instance Interruption Warning", "i-1",
                                                         "2026-12-01T10:00:00Z"))
@@ -132,7 +106,7 @@ def test_eventbridge_messages_on_sqs_become_notices(moto_url):
     other = {"detail-type": "EC2 Instance State-change Notification", "detail": {"instance-id": "i-3"},
              "time": "2026-12-01T10:00:00Z"}
     sqs.send_message(QueueUrl=queue, MessageBody=json.dumps(other))
-    aws = AWSProvider([REGION], session=_session(), endpoint_url=moto_url, sqs_queue_url=queue)
+    aws = AWSProvider([REGION], session=moto_session(REGION), endpoint_url=moto_url, sqs_queue_url=queue)
     notices = []
     for _ in range(5):  # SQS hands out at most 10 per call, in any order
         notices += aws.notices()
@@ -157,9 +131,9 @@ def test_offers_from_moto_have_both_markets(provider):
 
 
 def _stubbed(sleeps: list[float] | None = None):
-    client = _session().client("ec2")
+    client = moto_session(REGION).client("ec2")
     stub = Stubber(client)
-    aws = AWSProvider([REGION], session=_session(), clients={REGION: client}, image_id="ami-12345678",
+    aws = AWSProvider([REGION], session=moto_session(REGION), clients={REGION: client}, image_id="ami-12345678",
                       sleep=(sleeps.append if sleeps is not None else lambda s: None), attempts=3)
     return aws, stub
 
@@ -231,7 +205,7 @@ def test_launch_errors_are_typed(code, error):
 
 
 def test_launch_into_a_catalog_az_id_uses_the_accounts_az_name(provider):
-    ec2 = _session().client("ec2", endpoint_url=provider._endpoint_url)
+    ec2 = moto_session(REGION).client("ec2", endpoint_url=provider._endpoint_url)
     zone = ec2.describe_availability_zones()["AvailabilityZones"][1]
     request = dataclasses.replace(_request("r6", Market.SPOT),
                                   location=Location("aws", REGION, zone["ZoneId"]))  # e.g. use1-az6

@@ -22,7 +22,7 @@ from providers.base import (
     QuotaError,
     TransientError,
 )
-from tests.cloud_fakes import serve
+from tests.cloud_fakes import serve, serving
 
 SUB = "00000000-0000-0000-0000-000000000001"
 RG = "spot-rg"
@@ -105,9 +105,7 @@ class FakeArm:
 
 @pytest.fixture
 def arm():
-    fake = FakeArm()
-    with serve(fake.route) as server:
-        fake.server = server
+    with serving(FakeArm()) as fake:
         yield fake
 
 

@@ -17,11 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from orchestrator.daemon import Daemon, DaemonServer
 from orchestrator.replica_command import ReplicaLauncher
-from orchestrator.state import Store
 from providers.base import LaunchRequest, Market
-from providers.local import LocalProvider
+from tests.helpers import alive, running_daemon, wait_for
 
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
 
@@ -53,32 +51,8 @@ class FakeEngineLauncher(ReplicaLauncher):
 
 @pytest.fixture
 def daemon(state_home, monkeypatch):
-    monkeypatch.setattr("orchestrator.daemon.RECONCILE_INTERVAL_S", 0.5)
-    monkeypatch.setattr("orchestrator.daemon.PROBE_INTERVAL_S", 0.5)
-    d = Daemon(store=Store(), launcher=FakeEngineLauncher())
-    server = DaemonServer(d, "127.0.0.1", 0)
-    server.start_in_thread()
-    client = httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {d.token}"}, timeout=30)
-    try:
-        yield d, client
-    finally:
-        try:
-            for svc in client.get("/v1/services").json():
-                client.delete(f"/v1/services/{svc['name']}")
-            wait_for(lambda: not client.get("/v1/services").json(), 60, "services to go down")
-        finally:
-            server.stop()
-            LocalProvider().close()
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    with running_daemon(monkeypatch, launcher=FakeEngineLauncher()) as running:
+        yield running
 
 
 def ready(client, name="svc"):
@@ -142,7 +116,7 @@ def test_service_runs_replaces_a_dead_replica_and_goes_down_cleanly(daemon):
     client.delete("/v1/services/svc")
     wait_for(lambda: client.get("/v1/services/svc").status_code == 404, 60, "the service to be deleted")
     for pid in pids:
-        wait_for(lambda pid=pid: not _alive(pid), 10, f"pid {pid} to exit")
+        wait_for(lambda pid=pid: not alive(pid), 10, f"pid {pid} to exit")
 
 
 def test_notice_drains_replaces_and_the_deadline_kills(daemon):
@@ -167,12 +141,3 @@ def test_notice_drains_replaces_and_the_deadline_kills(daemon):
     assert r.status_code == 200 and r.json()["replica_id"] is None
     r = client.post("/v1/notices", json={"instance_id": "x", "kind": "bogus", "deadline": 1})
     assert r.status_code == 422 and "kind" in r.json()["detail"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split(") ")[-1][:1] != "Z"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import spotctl
+from tests.helpers import alive, spotctl, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -45,15 +45,8 @@ def _status(name: str) -> dict:
     return json.loads(spotctl("status", name, "--json").stdout)
 
 
-def _wait(predicate, timeout: float, what: str, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+def _wait(predicate, timeout: float, what: str):
+    return wait_for(predicate, timeout, what, interval=1.0)  # each poll runs `spotctl status`
 
 
 def _status_if(condition) -> dict | None:
@@ -76,15 +69,6 @@ def _instance_pids(home: Path) -> dict[str, int]:
         if isinstance(rec, dict) and "pid" in rec and "instance_id" in rec:
             out[rec["instance_id"]] = rec["pid"]
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split(") ")[-1][:1] != "Z"
 
 
 def test_service_end_to_end(tmp_path, state_home, replica_runtime):
@@ -143,7 +127,7 @@ def test_service_end_to_end(tmp_path, state_home, replica_runtime):
 
         all_pids = _instance_pids(state_home)
         spotctl("down", "e2e", "--timeout", "120")
-        leftovers = [pid for pid in all_pids.values() if _alive(pid)]
+        leftovers = [pid for pid in all_pids.values() if alive(pid)]
         assert not leftovers, f"processes left behind after down: {leftovers}"
     finally:
         print(spotctl("events", "--limit", "200", check=False).stdout)  # shown when the test fails

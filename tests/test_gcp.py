@@ -26,7 +26,7 @@ from providers.base import (
     TransientError,
 )
 from providers.gcp import PREEMPTED_FILTER, GCPProvider, instance_name, label
-from tests.cloud_fakes import serve
+from tests.cloud_fakes import serve, serving
 
 PROJECT = "proj-1"
 BASE = f"/compute/v1/projects/{PROJECT}"
@@ -103,9 +103,7 @@ class FakeCompute:
 
 @pytest.fixture
 def fake():
-    compute = FakeCompute()
-    with serve(compute.route) as server:
-        compute.server = server
+    with serving(FakeCompute()) as compute:
         yield compute
 
 

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 
-from orchestrator.daemon import Daemon, DaemonServer
-from orchestrator.state import Store
 from policies.base import load_policy
 from policies.hazard_hedge import HazardHedgePolicy
-from providers.local import LocalProvider
-from tests.test_daemon import FakeEngineLauncher, wait_for
+from tests.helpers import running_daemon, wait_for
+from tests.test_daemon import FakeEngineLauncher
 
 CALM_S = 8.0
 SPEC = """
@@ -42,19 +39,8 @@ def short_windows(name: str):
 
 @pytest.fixture
 def daemon(state_home, monkeypatch):
-    monkeypatch.setattr("orchestrator.daemon.RECONCILE_INTERVAL_S", 0.5)
-    monkeypatch.setattr("orchestrator.daemon.PROBE_INTERVAL_S", 0.5)
-    d = Daemon(store=Store(), launcher=FakeEngineLauncher(), policy_factory=short_windows)
-    server = DaemonServer(d, "127.0.0.1", 0)
-    server.start_in_thread()
-    client = httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {d.token}"}, timeout=30)
-    try:
-        yield d, client
-    finally:
-        client.delete("/v1/services/live")
-        wait_for(lambda: client.get("/v1/services/live").status_code == 404, 60, "the service to go down")
-        server.stop()
-        LocalProvider().close()
+    with running_daemon(monkeypatch, launcher=FakeEngineLauncher(), policy_factory=short_windows) as running:
+        yield running
 
 
 def steady_on_spot(replicas: list[dict]) -> bool:

@@ -24,6 +24,7 @@ from providers.base import (
     ProviderError,
 )
 from providers.local import NOTICE_FILE_ENV, LocalProvider, ZonePrices, configured_locations
+from tests.helpers import alive, free_port, wait_for
 
 # A tiny HTTP server on {port} that also starts a grandchild in its process group, and
 # writes both pids to $PID_FILE, so a test can check that nothing survives.
@@ -38,29 +39,6 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), http.server.SimpleHTTPRe
 STUBBORN = (
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
 )
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (a zombie still answers os.kill(pid, 0))."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
-
-
-def wait_for(predicate, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -137,7 +115,7 @@ def test_launch_list_get_and_terminate_leaves_no_process(cloud, tmp_path):
     assert inst.agent_endpoint and inst.agent_endpoint != inst.endpoint
     wait_for(lambda: get_ok(inst.endpoint), what="the server on {port}")
     leader, grandchild = pids(tmp_path)
-    assert running(leader) and running(grandchild)
+    assert alive(leader) and alive(grandchild)
     log = cloud.log_path(inst.instance_id)
     port = inst.endpoint.rsplit(":", 1)[1]
     wait_for(lambda: f"serving on {port} env {port}" in log.read_text(), what="log line")  # {port} in args and env
@@ -148,7 +126,7 @@ def test_launch_list_get_and_terminate_leaves_no_process(cloud, tmp_path):
     assert cloud.get("local-nope") is None
 
     cloud.terminate(inst.instance_id)
-    assert not running(leader) and not running(grandchild)
+    assert not alive(leader) and not alive(grandchild)
     assert cloud.get(inst.instance_id).status is InstanceStatus.TERMINATED
     assert not get_ok(inst.endpoint)
     cloud.terminate(inst.instance_id)  # again: no error
@@ -166,8 +144,6 @@ def test_launch_is_idempotent_on_client_token(cloud, tmp_path):
 
 
 def test_explicit_port(cloud, tmp_path):
-    from tests.helpers import free_port
-
     port = free_port()
     inst = cloud.launch(request(tmp_path, port=port))
     assert inst.endpoint == f"http://127.0.0.1:{port}"
@@ -179,7 +155,7 @@ def test_sigterm_ignored_gets_sigkill(cloud, tmp_path):
     wait_for(lambda: "up" in cloud.log_path(inst.instance_id).read_text(), what="stubborn process up")
     pid = json.loads((cloud.root / "instances" / f"{inst.instance_id}.json").read_text())["pid"]
     cloud.terminate(inst.instance_id)  # SIGTERM is ignored: SIGKILL after stop_timeout_s
-    assert not running(pid)
+    assert not alive(pid)
     assert cloud.get(inst.instance_id).status is InstanceStatus.TERMINATED
 
 
@@ -188,7 +164,7 @@ def test_process_that_dies_reads_terminated_and_takes_its_group(cloud, tmp_path)
     leader, grandchild = pids(tmp_path)
     os.kill(leader, signal.SIGKILL)
     wait_for(lambda: cloud.get(inst.instance_id).status is InstanceStatus.TERMINATED, what="TERMINATED")
-    assert not running(grandchild)  # the "machine" is gone, with everything on it
+    assert not alive(grandchild)  # the "machine" is gone, with everything on it
     assert [i.status for i in cloud.list()] == [InstanceStatus.TERMINATED]
 
 
@@ -206,7 +182,7 @@ def test_notice_then_kill_at_deadline(cloud, tmp_path):
     status = cloud.get(inst.instance_id).status
     if time.time() < notice.deadline:  # (a loaded machine may already be past it)
         assert status is InstanceStatus.RUNNING  # a notice alone kills nothing
-    wait_for(lambda: not running(leader) and not running(grandchild), timeout=30, what="kill at the deadline")
+    wait_for(lambda: not alive(leader) and not alive(grandchild), timeout=30, what="kill at the deadline")
     assert cloud.get(inst.instance_id).status is InstanceStatus.TERMINATED
 
 
@@ -235,7 +211,7 @@ def test_restarted_provider_finds_instances_and_keeps_deadlines(cloud, tmp_path)
         assert found[a.instance_id].status is InstanceStatus.RUNNING
         assert found[a.instance_id].endpoint == a.endpoint
         assert [n.instance_id for n in restarted.notices()] == [b.instance_id]  # not yet delivered
-        wait_for(lambda: not running(b_leader), timeout=30, what="the restarted provider's kill")
+        wait_for(lambda: not alive(b_leader), timeout=30, what="the restarted provider's kill")
         assert restarted.get(b.instance_id).status is InstanceStatus.TERMINATED
         assert restarted.get(a.instance_id).status is InstanceStatus.RUNNING
     finally:
@@ -248,10 +224,10 @@ def test_deadline_passed_while_nobody_ran_is_enforced_on_read(cloud, tmp_path):
     notice = cloud.inject_notice(inst.instance_id, grace_s=0.5)
     cloud.close()  # no timer will fire
     wait_for(lambda: time.time() > notice.deadline + 0.1, what="the deadline to pass")
-    assert running(leader)  # nobody has looked yet
+    assert alive(leader)  # nobody has looked yet
     # a new provider object reading the registry kills what is overdue, whatever timers ran
     assert LocalProvider().get(inst.instance_id).status is InstanceStatus.TERMINATED
-    assert not running(leader)
+    assert not alive(leader)
 
 
 def test_capacity_limits_and_zone_preemption(cloud, tmp_path):

@@ -79,10 +79,10 @@ def start_store(procs: Processes, name: str, secret_file: Path) -> str:
 
 
 def start_vllm(procs: Processes, name: str, model: Path, *, kv_config: dict | None = None,
-               max_model_len: int = 1024) -> str:
+               max_model_len: int = 1024, dtype: str = "bfloat16") -> str:
     port = free_port()
     args = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
+            "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--enforce-eager", "--block-size", "32"]
     if kv_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_config)]
