@@ -1,7 +1,10 @@
 """Trace replay: drive placement policies through the daemon's interface on real spot traces.
 
 The policy objects are the very ones the controller uses (`observe(MarketEvent)` then
-`decide(PolicyInput) -> Decision`); only the provider and the clock are simulated:
+`decide(PolicyInput) -> Decision`), and so is the decision code around them
+(orchestrator.decisions: the policy's view of each replica, the price book, which market
+event each fact is, which removals apply and in what order). Only the provider and the
+clock are simulated:
 
 - capacity: a trace value is how many spot instances of that type the zone lets one hold
   at that tick (0/1 single-node, up to 4 or 16 multi-node). When it falls below what is
@@ -42,17 +45,17 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from orchestrator import decisions
 from orchestrator.errors import UserError
+from orchestrator.replica import ReplicaState
 from policies.base import (
     EventKind,
     MarketEvent,
-    Phase,
     PlacementPolicy,
-    PolicyInput,
     ReplicaView,
     ServiceParams,
 )
-from providers.base import Location, Market, Offer, Offers
+from providers.base import CapacityError, Location, Market, Offer, Offers
 
 # Nominal spot $/hour per instance kind (file-name suffix) for traces without prices.
 # cost_ratio depends only on ratios, so these matter only where zones differ; p3.2xlarge's
@@ -68,6 +71,8 @@ DEFAULT_SPOT_PRICES = {
 FALLBACK_SPOT_PRICE = 1.0
 SKYSERVE_EVAL_PARAMS = ServiceParams(num_overprovision=1, dynamic_ondemand_fallback=True)
 GPU_KINDS = ("v100", "k80", "a100", "h100", "t4", "l4", "a10g")
+# A spot launch into a zone already holding its trace capacity: what the cloud would raise.
+_REFUSED = decisions.launch_failed(CapacityError("the zone holds its trace capacity"))
 
 
 # ---------------------------------------------------------------- traces
@@ -279,15 +284,18 @@ class SimResult:
 
 
 class _Replica:
-    __slots__ = ("asked_at", "deadline", "granted", "market", "phase", "ready_at", "rid", "view", "zone")
+    """A simulated replica: the fields of the store's ReplicaRow that decisions read."""
+
+    __slots__ = ("asked_at", "deadline", "granted", "market", "ready_at", "rid", "state", "view", "zone")
 
     def __init__(self, rid: str, zone: int, market: Market, asked_at: float):
         self.rid, self.zone, self.market, self.asked_at = rid, zone, market, asked_at
         self.granted = False
         self.ready_at: float | None = None
         self.deadline: float | None = None
-        self.phase = Phase.LAUNCHING
-        self.view: ReplicaView | None = None
+        # The request is with the provider (the controller's PROVISIONING) until granted.
+        self.state = ReplicaState.PROVISIONING
+        self.view: ReplicaView | None = None  # cached until a field it shows changes
 
 
 # Order of simultaneous happenings: a replica that becomes ready at the instant another is
@@ -329,7 +337,7 @@ class Simulation:
         self.stats = {"preemptions": 0, "launches": 0, "capacity_errors": 0, "notices": 0}
         self.closed_cost = 0.0
         self.gpu_seconds = {Market.SPOT: 0.0, Market.ON_DEMAND: 0.0}
-        self._offers: Offers | None = None
+        self._offers: Offers | None = None  # the price book, rebuilt only when prices change
         self._offers_tick = -1
 
     # --- prices and billing
@@ -357,8 +365,8 @@ class Simulation:
         for i, z in enumerate(g.zones):
             for market, price in ((Market.SPOT, z.spot_prices[tick]), (Market.ON_DEMAND, self.od_price[i])):
                 out.append(Offer(z.location, g.kind, g.kind, g.gpus_per_replica, market, price, tick * g.gap))
-        self._offers, self._offers_tick = out, tick
-        return out
+        self._offers, self._offers_tick = decisions.price_book(out, self.locations), tick
+        return self._offers
 
     def _prices_changed(self, a: int, b: int) -> bool:
         return any(z.spot_prices[a] != z.spot_prices[b] for z in self.g.zones)
@@ -372,18 +380,22 @@ class Simulation:
     def _emit(self, kind: EventKind, r: _Replica, t: float) -> None:
         self.pending_events.append(MarketEvent(kind, self.locations[r.zone], r.market, t, r.rid))
 
-    def _set_phase(self, r: _Replica, phase: Phase) -> None:
-        r.phase = phase
+    def _apply(self, r: _Replica, outcome: decisions.Outcome, t: float) -> None:
+        """A fact's consequence, as the controller applies it to a store row."""
+        if outcome.state is not None:
+            r.state = outcome.state
         r.view = None
+        if outcome.event is not None:
+            self._emit(outcome.event, r, t)
 
     def _view(self, r: _Replica) -> ReplicaView:
         if r.view is None:
-            r.view = ReplicaView(
-                r.rid, self.locations[r.zone], r.market, r.phase, r.asked_at, r.deadline, r.ready_at
+            r.view = decisions.replica_view(
+                r.rid, self.locations[r.zone], r.market, r.state, r.asked_at, r.deadline, r.ready_at
             )
         return r.view
 
-    def _end(self, r: _Replica, t: float, kind: EventKind) -> None:
+    def _end(self, r: _Replica, t: float, kind: EventKind | None) -> None:
         cost = self._bill(r, t)
         self.closed_cost += cost
         if r.granted:
@@ -393,7 +405,8 @@ class Simulation:
         del self.replicas[r.rid]
         if kind is EventKind.PREEMPTED:
             self.stats["preemptions"] += 1
-        self._emit(kind, r, t)
+        if kind is not None:
+            self._emit(kind, r, t)
 
     def _launch(self, loc: Location, market: Market, t: float) -> None:
         if loc not in self.zone_of:
@@ -409,24 +422,20 @@ class Simulation:
     def _grant(self, r: _Replica, t: float, tick: int) -> None:
         if r.market is Market.SPOT and self.held[r.zone] >= self.g.zones[r.zone].capacity[tick]:
             self.stats["capacity_errors"] += 1
-            del self.replicas[r.rid]
-            self._emit(EventKind.CAPACITY_ERROR, r, t)
+            del self.replicas[r.rid]  # FAILED_PROVISION: terminal, never billed
+            self._apply(r, _REFUSED, t)
             return
         r.granted = True
         if r.market is Market.SPOT:
             self.held[r.zone] += 1
-        self._emit(EventKind.LAUNCHED, r, t)
+        self._apply(r, decisions.LAUNCH_GRANTED, t)
         self._push(max(t, r.asked_at + self.cfg.cold_start), _READY, r.rid)
         if r.market is Market.SPOT and self.cfg.notice > 0:
             self._warn_zone(r.zone, t)  # came up inside a notice window: warned at once
 
     def _ready(self, r: _Replica, t: float) -> None:
         r.ready_at = t
-        if r.phase is Phase.LAUNCHING:
-            self._set_phase(r, Phase.READY)
-        else:
-            r.view = None
-        self._emit(EventKind.READY, r, t)
+        self._apply(r, decisions.became_ready(r.state), t)
 
     def _spot_in(self, zone: int) -> list[_Replica]:
         return [r for r in self.replicas.values() if r.zone == zone and r.granted and r.market is Market.SPOT]
@@ -445,9 +454,8 @@ class Simulation:
             unwarned = _newest_first(r for r in alive if r.deadline is None)
             for r in unwarned[: max(0, excess)]:
                 r.deadline = deadline
-                self._set_phase(r, Phase.DRAINING)
                 self.stats["notices"] += 1
-                self._emit(EventKind.NOTICE, r, t)
+                self._apply(r, decisions.notice_arrived(r.state), t)
 
     def _preempt_zone(self, zone: int, tick: int, t: float) -> None:
         spot = self._spot_in(zone)
@@ -456,7 +464,7 @@ class Simulation:
         excess = len(survivors) - self.g.zones[zone].capacity[tick]
         doomed += survivors[: max(0, excess)]  # no warning reached these
         for r in doomed:
-            self._end(r, t, EventKind.PREEMPTED)
+            self._end(r, t, decisions.instance_gone(r.state, r.market).event)
 
     # --- the loop
 
@@ -537,7 +545,7 @@ class Simulation:
         events, self.pending_events = self.pending_events, []
         for ev in events:
             self.policy.observe(ev)
-        view = PolicyInput(
+        view = decisions.policy_input(
             now=t,
             target=self.cfg.target,
             replicas=[self._view(r) for r in self.replicas.values()],
@@ -546,16 +554,24 @@ class Simulation:
             params=self.cfg.params,
         )
         decision = self.policy.decide(view)
-        for removal in decision.removals:
-            r = self.replicas.get(removal.replica_id)
-            if r is not None:
-                self._end(r, t, EventKind.TERMINATED)
-        for launch in decision.launches:
+        if not decision:
+            return  # the common case: nothing to carry out, nothing new to show
+        steps = decisions.plan(decision, self._state_of)
+        for removal in steps.removals:
+            r = self.replicas[removal.replica_id]
+            # Removed on purpose: its instance goes at once (the sim has no shutdown delay).
+            self._end(r, t, decisions.removed(r.state).event)
+        for launch in steps.launches:
             self._launch(launch.location, launch.market, t)
         # Terminations are events too: the policy sees them before its next decision.
         for ev in self.pending_events:
             self.policy.observe(ev)
         self.pending_events = []
+
+
+    def _state_of(self, rid: str) -> ReplicaState | None:
+        r = self.replicas.get(rid)
+        return r.state if r is not None else None
 
 
 def _newest_first(replicas: Iterable[_Replica]) -> list[_Replica]:
