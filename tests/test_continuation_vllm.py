@@ -125,6 +125,7 @@ def test_killed_replica_mid_stream_is_invisible_to_the_openai_client(replicas, l
 
     def kill():  # from a thread: the LB's loop must go on while the replica dies
         lb.set_replicas([Upstream("a", urls["a"]), Upstream("b", urls["b"])])
+        procs.freeze("a")  # now: a fast replica could otherwise finish the stream before it dies
         threading.Thread(target=procs.kill, args=("a",)).start()  # SIGKILL to the process group
 
     fired = at_token(monkeypatch, KILL_AT, kill)

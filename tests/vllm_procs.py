@@ -49,6 +49,16 @@ class Processes:
             pass
         proc.wait(timeout=60)
 
+    def freeze(self, name: str) -> None:
+        """SIGSTOP the process group at once: it produces nothing more until killed, so a test
+        that kills a replica mid-stream does not race the replica finishing the stream."""
+        proc = self._procs.get(name)
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+
     def kill_all(self) -> None:
         for name in list(self._procs):
             self.kill(name)
