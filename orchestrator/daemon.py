@@ -156,6 +156,7 @@ class Daemon:
             offers=None if cloud == "local" else self._book_offers(spec, cloud),
             policy=self.policy_factory(spec.service.placement_policy),
             on_upstreams=lambda ups, lb=lb: lb.set_replicas([_lb_upstream(u) for u in ups]),
+            on_notice=self.migrator.on_notice,
         )
         self.controllers[name] = controller
         controller.publish_upstreams()

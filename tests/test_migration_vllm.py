@@ -1,0 +1,255 @@
+"""Issue 6 end to end: a preemption no client can see, with real vLLM CPU replicas.
+
+spotctl/daemon (in this process) -> local cloud -> replicas = agent (shard store) + vLLM CPU
+with SpotKVConnector (k=4, m=2, membership from the daemon) -> the service's load balancer
+-> 16 concurrent greedy streaming chats through the official openai client. Each scenario
+runs 16 prompts of its own twice: a reference run, then the same prompts with the
+preemption; every stream must equal, token for token, its reference run on the same
+service. Before each preemption run the replicas' own prefix caches are emptied (vLLM's
+dev endpoint), so a continuation's prefix can only come from the shard stores or be
+recomputed, never from a replica that served the prompt before.
+
+The replicas compute in float32: a random-weight model's next-token scores are close, and
+bfloat16 rounding that depends on how requests are batched (it changes when a replica takes
+over another's streams) flips near ties far after the seam, in runs with and without a
+preemption alike; float32 keeps those ties apart.
+
+One service serves every scenario (a vLLM start costs minutes on two shared cores), and a
+launch budget wrapped around the even_spread policy keeps the fleet to what the next
+scenario needs:
+1. 3 replicas in 3 zones; `spotctl chaos preempt REPLICA --grace 30` mid-stream: the
+   continuations load their prefixes from the shards, recompute at most the last block;
+2. the service grows to 4 (two in one zone); `spotctl chaos preempt --zone` takes both at
+   once, and their zone's shard stores with them: k=4, m=2 keeps at most 2 shards of a block
+   per zone, and the continuations load from the other zones' 4;
+3+4. every shard store killed, then a notice whose deadline already passed (POST
+   /v1/notices, as an agent sends it): an immediate loss with nothing to load; the
+   continuations recompute, no client sees an error, and the metrics say so. (Both in one
+   scenario to save a vLLM start; tests/test_migration.py covers a late notice on its own.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from orchestrator import replica_command
+from policies.base import Decision, PlacementPolicy, load_policy
+from tests.helpers import running_daemon, wait_for
+from tests.migration_harness import (
+    Chats,
+    busiest,
+    chaos,
+    check_streams,
+    events,
+    migration_data,
+    metric,
+    post_notice,
+    ready,
+    service,
+    status,
+    wait_ready,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
+
+SPEC = """
+name: mig
+service:
+  readiness_probe: {{path: /health, initial_delay_seconds: 1200}}
+  replicas: {replicas}
+  placement_policy: even_spread
+resources:
+  cloud: local
+  use_spot: true
+  any_of: [{{zone: local-a}}, {{zone: local-b}}, {{zone: local-c}}]
+engine:
+  model: tiny
+  max_model_len: 1024
+  dtype: float32
+kv:
+  enabled: true
+  k: 4
+  m: 2
+"""
+STREAMS, MAX_TOKENS, CUT_AT = 16, 160, 40
+AT_CUT = 12  # streams with CUT_AT tokens when the preemption comes (some start later)
+BLOCK = 32  # the CPU build's KV block size (spec default on the local cloud)
+START_S = 1500  # vLLM starts, several at once, on a loaded 2-core machine
+
+
+class LaunchBudget:
+    """How many replicas the policy may still launch; the test adds to it per scenario."""
+
+    def __init__(self, n: int):
+        self.left = n
+        self.lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.left += n
+
+
+class Budgeted(PlacementPolicy):
+    """The configured policy, with its launches cut to the budget (removals untouched)."""
+
+    def __init__(self, inner: PlacementPolicy, budget: LaunchBudget):
+        self.inner, self.budget = inner, budget
+        self.name = inner.name
+
+    def observe(self, event) -> None:
+        self.inner.observe(event)
+
+    def decide(self, view) -> Decision:
+        decision = self.inner.decide(view)
+        with self.budget.lock:
+            launches = decision.launches[: max(0, self.budget.left)]
+            self.budget.left -= len(launches)
+        return dataclasses.replace(decision, launches=launches)
+
+
+def _agent_pids(agent_endpoints: set[str]) -> list[int]:
+    """The agents (shard stores) serving these endpoints, found by their command lines."""
+    ports = {e.rsplit(":", 1)[1] for e in agent_endpoints}
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"orchestrator.agent" in args and b"--store-port" in args:
+            port = args[args.index(b"--store-port") + 1].decode()
+            if port in ports:
+                pids.append(int(proc.name))
+    return pids
+
+
+def _kill_agents(endpoints: set[str]) -> None:
+    """SIGKILL the shard stores at these endpoints (the test's own daemon started them)."""
+    pids = _agent_pids(endpoints)
+    assert pids, f"no agent process found for {sorted(endpoints)}"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not _agent_pids(endpoints), 60, "the agents to be gone", 0.5)
+
+
+def _states(client) -> dict[str, str]:
+    return {r["replica_id"]: r["state"] for r in service(client, "mig")["replicas"]}
+
+
+def _reset_prefix_caches(client) -> None:
+    for r in service(client, "mig")["replicas"]:
+        if r["state"] == "READY":
+            wait_for(lambda r=r: httpx.post(f"{r['endpoint']}/reset_prefix_cache", timeout=60).json()["success"],
+                     120, f"{r['replica_id']} to empty its prefix cache", 1)
+
+
+def _preempt_mid_stream(d, client, lb_url, topic, preempt):
+    """The reference run of 16 prompts on `topic`, then the same 16 again; once they are under
+    way, `preempt()` (returns the victims). Every stream must equal its reference.
+
+    Fresh prompts per scenario: a replica does not push again blocks it stored before, and
+    the stores an earlier scenario lost took some shards of those blocks with them."""
+    reference = Chats(lb_url, "mig", STREAMS, MAX_TOKENS, topic=topic).join()
+    assert not [s.error for s in reference if s.error]
+    assert all(len(s.ids) == MAX_TOKENS for s in reference)
+    assert len({tuple(s.ids) for s in reference}) == STREAMS  # 16 different streams
+    _reset_prefix_caches(client)
+    chats = Chats(lb_url, "mig", STREAMS, MAX_TOKENS, topic=topic)
+    chats.wait_tokens(CUT_AT, AT_CUT)
+    victims = preempt()
+    check_streams(chats.join(), reference)
+    return victims
+
+
+def test_preemptions_no_client_sees(state_home, tiny_model, monkeypatch):
+    monkeypatch.setitem(replica_command.REPLICA_ENV, "VLLM_SERVER_DEV_MODE", "1")  # /reset_prefix_cache
+    budget = LaunchBudget(3)
+    with running_daemon(monkeypatch, policy_factory=lambda name: Budgeted(load_policy(name), budget)) as (d, client):
+        client.post("/v1/services", json={"yaml": SPEC.format(replicas=3)}).raise_for_status()
+        svc = wait_ready(client, "mig", 3, START_S)
+        assert sorted(r["zone"] for r in ready(svc)) == ["local-a", "local-b", "local-c"]
+        lb_url = svc["endpoint"]
+
+        # 1. One replica, 30 s notice, through the CLI.
+        def preempt_one():
+            victim = busiest(d, "mig", ready(svc))
+            assert d.lbs["mig"].in_flight(victim["replica_id"]) > 0
+            assert chaos(victim["replica_id"], "--grace", "30") == [victim["replica_id"]]
+            assert _states(client)[victim["replica_id"]] == "DRAINING"
+            return [victim["replica_id"]]
+
+        (first,) = _preempt_mid_stream(d, client, lb_url, "rivers", preempt_one)
+        data = migration_data(d, first)
+        assert data["requests"] > 0 and data["failed"] == 0 and data["resumed"] == data["requests"]
+        assert data["continuations"] == data["requests"], data  # B's records: one per continuation
+        assert data["loaded_tokens"] >= BLOCK * data["requests"]  # the prefixes came from the shards
+        assert data["max_recomputed_tokens"] <= BLOCK, data  # at most the last partial block
+        assert metric(lb_url, 'spot_lb_migrations_total{mode="resume",reason="cut"}') == data["requests"]
+        assert metric(lb_url, "spot_migration_kv_loaded_tokens_total") == data["loaded_tokens"]
+        assert metric(lb_url, 'spot_migration_flushes_total{result="ok"}') == 1
+        assert metric(lb_url, "spot_lb_stall_seconds_count") == data["requests"]
+        wait_for(lambda: _states(client)[first] == "PREEMPTED", 120, "the victim to be PREEMPTED", 1)
+        assert {r["replica_id"]: r["state"] for r in status("mig")["replicas"]}[first] == "PREEMPTED"
+        kinds = {e["kind"] for e in events("mig") if e["replica_id"] == first}
+        assert {"chaos", "notice", "migration", "preempted"} <= kinds
+
+        # 2. Four replicas, two in one zone; the whole zone at once, its shard stores lost with
+        #    it: k=4, m=2 puts at most 2 shards of a block in a zone, the other zones have 4.
+        budget.add(2)
+        client.post("/v1/services", json={"yaml": SPEC.format(replicas=4)}).raise_for_status()
+        svc = wait_ready(client, "mig", 4, START_S)
+        zones = [r["zone"] for r in ready(svc)]
+        crowded = max(set(zones), key=zones.count)
+        assert zones.count(crowded) == 2
+
+        def preempt_zone():
+            stores = {r["agent_endpoint"] for r in ready(svc) if r["zone"] == crowded}
+            _kill_agents(stores)
+            return chaos("--zone", crowded, "--grace", "30")
+
+        pair = _preempt_mid_stream(d, client, lb_url, "mountains", preempt_zone)
+        assert len(pair) == 2
+        moved = [migration_data(d, victim) for victim in pair]
+        requests = sum(m["requests"] for m in moved)
+        assert requests > 0 and all(m["failed"] == 0 for m in moved)
+        kv = moved[0]  # the KV numbers are those of both victims' continuations together
+        assert kv["batch"] == sorted(pair) and kv["continuations"] == requests, moved
+        assert kv["loaded_tokens"] >= BLOCK * requests, moved
+        assert kv["max_recomputed_tokens"] <= BLOCK, moved
+        assert metric(lb_url, "spot_lb_continuation_failures_total") == 0
+
+        # 3+4. Every shard store gone, then a notice whose deadline has passed: recompute.
+        svc = service(client, "mig")
+        live = ready(svc)
+        assert len(live) == 2
+        _kill_agents({r["agent_endpoint"] for r in svc["replicas"] if r["agent_endpoint"]})
+        loaded_before = metric(lb_url, "spot_migration_kv_loaded_tokens_total")
+        recomputed_before = metric(lb_url, "spot_migration_kv_recomputed_tokens_total")
+
+        def notice_too_late():
+            victim = busiest(d, "mig", live)
+            handled = post_notice(client, "mig", victim["instance_id"], time.time() - 1)
+            assert handled["replica_id"] == victim["replica_id"]
+            return [victim["replica_id"]]
+
+        (last,) = _preempt_mid_stream(d, client, lb_url, "forests", notice_too_late)
+        data = migration_data(d, last)
+        assert data["lost"] and data["requests"] > 0 and data["failed"] == 0
+        assert data["continuations"] == data["requests"], data
+        assert data["loaded_tokens"] == 0 and data["recomputed_tokens"] > 0
+        assert metric(lb_url, "spot_migration_kv_loaded_tokens_total") == loaded_before
+        assert metric(lb_url, "spot_migration_kv_recomputed_tokens_total") > recomputed_before
+        assert metric(lb_url, 'spot_migration_notices_total{outcome="lost"}') == 1
+        assert metric(lb_url, 'spot_migration_flushes_total{result="skipped"}') == 1
+        assert metric(lb_url, "spot_lb_continuation_failures_total") == 0
+        wait_for(lambda: _states(client)[last] in ("PREEMPTED", "TERMINATED"), 120, "the lost replica gone", 1)
