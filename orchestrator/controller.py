@@ -16,7 +16,6 @@ What reconcile does, in order:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -27,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from orchestrator import decisions
+from orchestrator.loadbalancer import Upstream
 from orchestrator.autoscaler import AutoscalerConfig, RequestRateAutoscaler
 from orchestrator.replica import ReplicaState
 from orchestrator.replica_command import ReplicaLauncher
@@ -63,16 +63,6 @@ DRAIN_OVERRUN_S = 10.0
 # Consecutive failed probes before a READY replica counts as NOT_READY (and gets covered).
 NOT_READY_AFTER_FAILURES = 2
 MARKET_EVENT_KINDS = {k.value for k in EventKind}
-
-
-@dataclasses.dataclass
-class Upstream:
-    """What the load balancer needs of a replica (mirrors loadbalancer.Upstream)."""
-
-    replica_id: str
-    url: str
-    ready: bool
-    draining: bool
 
 
 class Controller:

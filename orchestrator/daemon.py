@@ -28,11 +28,10 @@ from apscheduler.executors.pool import ThreadPoolExecutor as APThreadPool
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from orchestrator import api_client, auth, paths
-from orchestrator.controller import Controller, Upstream
+from orchestrator.controller import Controller
 from orchestrator.errors import UserError
 from orchestrator.loadbalancer import LoadBalancer
 from orchestrator.market import PriceBook, refresh_prices
-from orchestrator.loadbalancer import Upstream as LBUpstream
 from orchestrator.migration import Migrator
 from orchestrator.replica_command import ReplicaLauncher
 from orchestrator.spec import ServiceSpec
@@ -155,7 +154,7 @@ class Daemon:
             self.launcher or ReplicaLauncher(daemon_url=self.url or None),
             offers=None if cloud == "local" else self._book_offers(spec, cloud),
             policy=self.policy_factory(spec.service.placement_policy),
-            on_upstreams=lambda ups, lb=lb: lb.set_replicas([_lb_upstream(u) for u in ups]),
+            on_upstreams=lb.set_replicas,
             on_notice=self.migrator.on_notice,
         )
         self.controllers[name] = controller
@@ -255,10 +254,6 @@ class Daemon:
             controller.close()
         for provider in self.providers.values():
             provider.close()
-
-
-def _lb_upstream(u: Upstream) -> LBUpstream:
-    return LBUpstream(replica_id=u.replica_id, url=u.url, ready=u.ready, draining=u.draining)
 
 
 def write_daemon_info(url: str) -> None:
