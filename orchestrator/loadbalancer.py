@@ -153,6 +153,10 @@ class LoadBalancer:
         self._picker = make_picker(policy)
         self.policy = policy
         self._replicas: dict[str, Upstream] = {}
+        # Replicas drain() took out for good: a replica set published from a view older than
+        # the notice (a probe pass racing it) must not send them new requests or continuations.
+        self._drained: set[str] = set()
+        self._replicas_lock = threading.Lock()  # set_replicas (daemon threads) vs drain()
         self._in_flight: dict[str, int] = {}
         self._handles: dict[str, set[_Handle]] = {}
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
@@ -169,7 +173,22 @@ class LoadBalancer:
         """Replace the replica set. Draining or not-ready replicas get no new requests; requests
         already on a replica that left the set go on until they end or it dies."""
         replicas = {u.replica_id: _validate(u) for u in upstreams}
-        self._replicas = replicas  # one assignment: readers on the loop see old or new, never half
+        with self._replicas_lock:
+            self._drained &= replicas.keys()  # ids are never reused: one that left is gone
+            for replica_id in self._drained:
+                replicas[replica_id] = dataclasses.replace(replicas[replica_id], draining=True)
+            self._replicas = replicas  # one assignment: readers on the loop see old or new, never half
+
+    def drain(self, replica_ids: Iterable[str]) -> None:
+        """No new request, retry or continuation goes to these replicas from now on (thread-safe,
+        idempotent, sticky across set_replicas). What they serve goes on until migrate() cuts it."""
+        with self._replicas_lock:
+            replicas = dict(self._replicas)
+            for replica_id in replica_ids:
+                self._drained.add(replica_id)
+                if replica_id in replicas:
+                    replicas[replica_id] = dataclasses.replace(replicas[replica_id], draining=True)
+            self._replicas = replicas
 
     def replicas(self) -> list[Upstream]:
         return list(self._replicas.values())
@@ -198,10 +217,7 @@ class LoadBalancer:
                             resume_timeout: float = 120.0, *,
                             before_resume: Callable[[], object] | None = None) -> MigrationResult:
         """migrate() on the LB's own loop."""
-        replicas = dict(self._replicas)
-        if replica_id in replicas:
-            replicas[replica_id] = dataclasses.replace(replicas[replica_id], draining=True)
-            self._replicas = replicas
+        self.drain([replica_id])
         if before_cut is not None:
             await _call(before_cut)
         loop = asyncio.get_running_loop()

@@ -22,15 +22,18 @@ the service's load-balancer /metrics (spot_migration_*), next to the LB's own se
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 from prometheus_client import Counter, Histogram
 
+from orchestrator import decisions
 from orchestrator.errors import UserError
 from orchestrator.replica import ReplicaState, is_alive
 from orchestrator.state import ReplicaRow
@@ -93,6 +96,12 @@ def connector_stats(http: httpx.Client, control_endpoint: str, auth: dict[str, s
         return None
 
 
+def _drains(state: ReplicaState) -> bool:
+    """Whether a notice for a replica in this state moves its streams: one that serves or may
+    (a repeat for one already DRAINING is deduplicated by the caller), not one already gone."""
+    return state is ReplicaState.DRAINING or decisions.notice_arrived(state).state is ReplicaState.DRAINING
+
+
 class Migrator:
     def __init__(self, daemon):  # orchestrator.daemon.Daemon
         self.daemon = daemon
@@ -117,11 +126,11 @@ class Migrator:
             self._noticed.add(replica_id)
             return True
 
-    def _controller_for_instance(self, instance_id: str):
-        for name, controller in list(self.daemon.controllers.items()):
+    def _replica_for_instance(self, instance_id: str) -> ReplicaRow | None:
+        for name in list(self.daemon.controllers):
             for r in self.daemon.store.list_replicas(name):
                 if r.instance_id == instance_id:
-                    return controller
+                    return r
         return None
 
     # ---- the notice ----------------------------------------------------------------------
@@ -132,28 +141,34 @@ class Migrator:
         return self.on_notices([notice])[0]
 
     def on_notices(self, notices: list[Notice]) -> list[str | None]:
-        """Several notices at once (a correlated loss): every replica is marked DRAINING before
-        any stream is cut, so no continuation lands on a replica about to be cut itself."""
+        """Several notices at once (a correlated loss): every replica is drained on the load
+        balancer before any stream is cut, so no continuation lands on a replica about to be
+        cut itself.
+
+        The load balancer acts first, the controller second: the controller's lock can be
+        held for seconds by a reconcile pass that is launching through a cloud API, and the
+        streams of a warned replica must not run on (and finish unmigrated) meanwhile."""
         received = time.monotonic()
-        out, started = [], []
-        for notice in notices:
-            controller = self._controller_for_instance(notice.instance_id)
-            if controller is None:
-                out.append(None)
-                continue
-            replica = controller.handle_notice(notice)
-            out.append(replica.replica_id if replica else None)
-            if replica is not None and self._first_notice(replica.replica_id):
-                log.info("notice for %s (deadline in %.1fs): draining", replica.replica_id,
-                         notice.deadline - time.time())
-                started.append((replica, notice))
-        services = {r.service for r, _n in started}
-        for service in services:  # the replacements, without waiting a tick
-            threading.Thread(target=self.daemon.reconcile_service, args=(service,), daemon=True).start()
+        found = [(notice, self._replica_for_instance(notice.instance_id)) for notice in notices]
+        moving = [(r, n) for n, r in found if r is not None and _drains(r.replica_state)
+                  and self._first_notice(r.replica_id)]
+        services = sorted({r.service for r, _n in moving})
         for service in services:
-            batch = [(r, n) for r, n in started if r.service == service]
+            batch = [(r, n) for r, n in moving if r.service == service]
+            lb = self.daemon.lbs.get(service)
+            if lb is not None:
+                lb.drain([r.replica_id for r, _n in batch])
+            for r, n in batch:
+                log.info("notice for %s (deadline in %.1fs): draining", r.replica_id, n.deadline - time.time())
             threading.Thread(target=self._migrate, args=(service, batch, received), daemon=True,
                              name=f"migrate-{service}").start()
+        out = []
+        for notice, row in found:  # DRAINING in the store, the notice event, the policy told
+            controller = self.daemon.controllers.get(row.service) if row is not None else None
+            replica = controller.handle_notice(notice) if controller is not None else None
+            out.append(replica.replica_id if replica else None)
+        for service in services:  # the replacements, without waiting a tick
+            threading.Thread(target=self.daemon.reconcile_service, args=(service,), daemon=True).start()
         return out
 
     def _migrate(self, service: str, batch: list[tuple[ReplicaRow, Notice]], received: float) -> None:
@@ -165,8 +180,18 @@ class Migrator:
         metrics = self.metrics(lb)
         victims = {r.replica_id for r, _n in batch}
         peers = [r for r in self._peers(service) if r.replica_id not in victims]
-        before = {r.replica_id: self._admitted(r) for r in peers}
-        started = [(replica, *self._start(lb, metrics, replica, notice)) for replica, notice in batch]
+        # What the peers admitted before any continuation, asked in parallel with the cut and
+        # the flush, never before them: a busy replica can take seconds to answer, and every
+        # second spent here is one more the victims' streams run (or finish) unmigrated. The
+        # continuations wait for it (the LB's gate), so none is admitted before it is taken.
+        snapshot = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(peers)), thread_name_prefix="kv-stats")
+        asked = {r.replica_id: snapshot.submit(self._admitted, r) for r in peers}
+        snapshot.shutdown(wait=False)
+
+        def snapshot_taken() -> None:
+            concurrent.futures.wait(list(asked.values()))
+
+        started = [(replica, *self._start(lb, metrics, replica, notice, snapshot_taken)) for replica, notice in batch]
         results = []
         for replica, future, lost, end_now in started:
             try:
@@ -183,6 +208,8 @@ class Migrator:
         for _r, _l, result in results:
             metrics.requests.labels("resumed").inc(result.resumed)
             metrics.requests.labels("failed").inc(result.failed)
+        snapshot_taken()
+        before = {rid: future.result() for rid, future in asked.items()}
         moved = sum(result.requests for _r, _l, result in results)
         resumed = sum(result.resumed for _r, _l, result in results)
         known = [r for r in peers if before.get(r.replica_id) is not None]
@@ -204,8 +231,10 @@ class Migrator:
                       "seconds": round(took, 3), "lost": lost, "batch": sorted(victims)},
             )
 
-    def _start(self, lb, metrics: MigrationMetrics, replica: ReplicaRow, notice: Notice):
-        """lb.migrate() for one replica: (its future, lost, the hook that ends it now or None)."""
+    def _start(self, lb, metrics: MigrationMetrics, replica: ReplicaRow, notice: Notice,
+               before_continuing: Callable[[], None]):
+        """lb.migrate() for one replica: (its future, lost, the hook that ends it now or None).
+        `before_continuing` runs after the flush (or the end), before any stream continues."""
         lost = notice.deadline <= time.time()
         metrics.notices.labels("lost" if lost else "drained").inc()
         ended = threading.Event()
@@ -222,8 +251,11 @@ class Migrator:
                 metrics.flushes.labels("skipped").inc()
                 threading.Thread(target=self._terminate, args=(replica,), daemon=True).start()
 
-        future = lb.migrate(replica.replica_id, resume_timeout=RESUME_TIMEOUT_S,
-                            before_resume=end_now if lost else flush)
+        def before_resume() -> None:
+            (end_now if lost else flush)()
+            before_continuing()
+
+        future = lb.migrate(replica.replica_id, resume_timeout=RESUME_TIMEOUT_S, before_resume=before_resume)
         return future, lost, end_now if lost else None
 
     def _terminate(self, replica: ReplicaRow) -> None:

@@ -11,6 +11,7 @@ tests/test_migration_vllm.py covers the KV side).
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -162,3 +163,46 @@ def test_a_notice_from_the_clouds_control_plane_moves_the_streams_too(daemon):
     check_streams(chats.join(), reference)
     assert metric(lb_url, 'spot_lb_migrations_total{mode="resume",reason="cut"}') == in_flight
     assert metric(lb_url, 'spot_migration_notices_total{outcome="drained"}') == 1
+
+
+def test_the_cut_does_not_wait_for_a_busy_controller(daemon):
+    """A reconcile pass holds the controller's lock while it launches through a cloud API
+    (seconds, on a real cloud). A notice arriving then must still move the streams at once:
+    the load balancer drains and cuts first, the controller records DRAINING when it can."""
+    d, client = daemon
+    svc = service(client, "mig")
+    lb, lb_url = d.lbs["mig"], svc["endpoint"]
+    reference = _reference(lb_url)
+    chats = Chats(lb_url, "mig", STREAMS, MAX_TOKENS)
+    chats.wait_tokens(CUT_AT)
+    victim = busiest(d, "mig", ready(svc))["replica_id"]
+    in_flight = lb.in_flight(victim)
+    assert in_flight > 0
+
+    held, release = threading.Event(), threading.Event()
+
+    def busy_reconcile() -> None:
+        with d.controllers["mig"]._lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=busy_reconcile, daemon=True)
+    holder.start()
+    held.wait(10)
+    preempted: list = []
+    notice = threading.Thread(target=lambda: preempted.append(chaos(victim, "--grace", "20")), daemon=True)
+    notice.start()
+    try:
+        # While the controller cannot move: no new request for the victim, its streams resumed.
+        wait_for(lambda: metric(lb_url, 'spot_lb_migrations_total{mode="resume",reason="cut"}') == in_flight,
+                 30, "the victim's streams to be cut and resumed", 0.1)
+        assert next(u for u in lb.replicas() if u.replica_id == victim).draining
+        assert not preempted and holder.is_alive()  # the controller is still held
+        lb.set_replicas(d.controllers["mig"].upstreams())  # a stale view (victim READY) published meanwhile
+        assert next(u for u in lb.replicas() if u.replica_id == victim).draining  # drained for good
+    finally:
+        release.set()
+    notice.join(60)
+    assert preempted == [[victim]]
+    assert {r["replica_id"]: r["state"] for r in service(client, "mig")["replicas"]}[victim] == "DRAINING"
+    check_streams(chats.join(), reference)

@@ -79,7 +79,10 @@ kv:
   k: 4
   m: 2
 """
-STREAMS, MAX_TOKENS, CUT_AT = 16, 160, 40
+# Streams long enough that the victim still has some in flight when the cut comes: on an
+# idle machine the tiny model streams a hundred-odd tokens a second, and the test sees the
+# 40th token, picks the victim and runs `spotctl chaos` a second or so after the LB sent it.
+STREAMS, MAX_TOKENS, CUT_AT = 16, 480, 40
 AT_CUT = 12  # streams with CUT_AT tokens when the preemption comes (some start later)
 BLOCK = 32  # the CPU build's KV block size (spec default on the local cloud)
 START_S = 1500  # vLLM starts, several at once, on a loaded 2-core machine
@@ -190,7 +193,7 @@ def test_preemptions_no_client_sees(state_home, tiny_model, monkeypatch):
 
         (first,) = _preempt_mid_stream(d, client, lb_url, "rivers", preempt_one)
         data = migration_data(d, first)
-        assert data["requests"] > 0 and data["failed"] == 0 and data["resumed"] == data["requests"]
+        assert data["requests"] > 0 and data["failed"] == 0 and data["resumed"] == data["requests"], (data, events("mig"))
         assert data["continuations"] == data["requests"], data  # B's records: one per continuation
         assert data["loaded_tokens"] >= BLOCK * data["requests"]  # the prefixes came from the shards
         assert data["max_recomputed_tokens"] <= BLOCK, data  # at most the last partial block
