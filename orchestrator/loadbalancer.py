@@ -43,6 +43,7 @@ from orchestrator.errors import UserError
 from orchestrator.lb_metrics import LBMetrics
 from orchestrator.lb_policies import make_picker
 from orchestrator.lb_server import CoalescingHTTPProtocol
+from orchestrator.lb_upstream import UpstreamError, UpstreamPool
 from orchestrator.lb_sse import SSE_DONE, SSESplitter, sse_event
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,8 @@ class _ClientGone(Exception):
 class _Handle:
     """One client request as migrate() and the disconnect watcher see it."""
 
-    __slots__ = ("client_gone", "continuable", "cut", "done", "gate", "replica", "resumed", "task", "waiting")
+    __slots__ = ("client_gone", "continuable", "cut", "done", "gate", "replica", "resumed", "splice", "task",
+                 "waiting")
 
     def __init__(self, task: asyncio.Task):
         self.task = task
@@ -100,6 +102,7 @@ class _Handle:
         self.done = False
         self.resumed: asyncio.Future | None = None
         self.gate: asyncio.Future | None = None  # a cut stream's continuation waits for it
+        self.splice: Splice | None = None  # a continuable stream's tokens so far
 
     def absorb_cut(self) -> bool:
         """On CancelledError: True when migrate() cut this request (the task goes on), False
@@ -162,7 +165,8 @@ class LoadBalancer:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
                                               sock_read=stream_idle_timeout)
         self.metrics = LBMetrics(lambda: dict(self._in_flight))
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # streams (and HEAD)
+        self._pool: UpstreamPool | None = None  # every other non-streamed request
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -195,6 +199,12 @@ class LoadBalancer:
 
     def in_flight(self, replica_id: str) -> int:
         return self._in_flight.get(replica_id, 0)
+
+    def streamed_tokens(self, replica_id: str) -> list[int]:
+        """How many tokens each continuable stream now on `replica_id` has generated (what a
+        migration of it would carry over); readable from any thread."""
+        handles = list(self._handles.get(replica_id, ()))  # one C-level copy: safe beside the loop
+        return [len(h.splice.generated) for h in handles if h.splice is not None and not h.done]
 
     def migrate(self, replica_id: str, before_cut: Callable[[], object] | None = None,
                 resume_timeout: float = 120.0, *,
@@ -292,12 +302,16 @@ class LoadBalancer:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
                 timeout=self._timeout, auto_decompress=False, skip_auto_headers=("User-Agent",))
+            self._pool = UpstreamPool(self._timeout.sock_connect or 5.0, self._timeout.sock_read)
         return self._session
 
     async def _close_session(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     # -- ASGI -----------------------------------------------------------------------------------
     async def app(self, scope, receive, send) -> None:
@@ -434,7 +448,7 @@ class LoadBalancer:
     async def _unary(self, method: str, target: str, raw: bytes, headers: dict, send, handle: _Handle) -> None:
         """Send the request as is; a failed or cut try is repeated from scratch elsewhere, which
         gives the same answer for greedy and seeded requests alike (nothing reached the client)."""
-        session = self._client()
+        session, pool = self._client(), self._pool
         excluded: set[str] = set()
         tries = 0
         while True:
@@ -445,11 +459,14 @@ class LoadBalancer:
             self._acquire(replica, handle)
             handle.waiting = True
             try:
-                async with session.request(method, upstream.url + target, data=raw, headers=headers) as resp:
-                    payload = await resp.read()
-                    status = resp.status
-                    content_type = resp.headers.get("Content-Type", "application/json").encode("latin-1")
-            except _CONNECT_ERRORS + _STREAM_ERRORS:
+                if method == "HEAD":  # no body follows its headers: not for the pool's parser
+                    async with session.request(method, upstream.url + target, data=raw, headers=headers) as resp:
+                        payload = await resp.read()
+                        status = resp.status
+                        content_type = resp.headers.get("Content-Type", "application/json").encode("latin-1")
+                else:
+                    status, payload, content_type = await pool.request(upstream.url, method, target, raw, headers)
+            except _CONNECT_ERRORS + _STREAM_ERRORS + (UpstreamError,):
                 excluded.add(replica)
                 tries += 1
                 if self._try_failed(replica, "connect", tries):
@@ -528,6 +545,7 @@ class LoadBalancer:
 
     # -- streams continued across replicas ------------------------------------------------------
     async def _stream_spliced(self, splice: Splice, headers: dict, send, handle: _Handle) -> None:
+        handle.splice = splice
         session = self._client()
         excluded: set[str] = set()
         tries = 0  # failed tries since the last one that made progress

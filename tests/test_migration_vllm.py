@@ -46,7 +46,6 @@ from policies.base import Decision, PlacementPolicy, load_policy
 from tests.helpers import running_daemon, wait_for
 from tests.migration_harness import (
     Chats,
-    busiest,
     chaos,
     check_streams,
     events,
@@ -80,11 +79,9 @@ kv:
   k: 4
   m: 2
 """
-# Streams long enough that the victim still has some in flight when the cut comes: on an
-# idle machine the tiny model streams a hundred-odd tokens a second, and the test sees the
-# 40th token, picks the victim and runs `spotctl chaos` a second or so after the LB sent it.
+# Long streams: a victim is held (SIGSTOP) the moment its streams have CUT_AT tokens, and a
+# poll of the LB from a busy test process can come late; 480 tokens leave it seconds.
 STREAMS, MAX_TOKENS, CUT_AT = 16, 480, 40
-AT_CUT = 12  # streams with CUT_AT tokens when the preemption comes (some start later)
 BLOCK = 32  # the CPU build's KV block size (spec default on the local cloud)
 START_S = 1500  # vLLM starts, several at once, on a loaded 2-core machine
 
@@ -156,19 +153,36 @@ def _process_groups(replicas: list[dict]) -> list[int]:
     return sorted({os.getpgid(pid) for pid in servers})
 
 
+def _mid_stream(lb, replica_id: str) -> bool:
+    """Streams in flight on the replica, each with CUT_AT tokens or more."""
+    tokens = lb.streamed_tokens(replica_id)
+    return bool(tokens) and min(tokens) >= CUT_AT
+
+
 @contextlib.contextmanager
-def _held(groups: list[int]):
-    """SIGSTOP these replicas while the notice goes out, SIGCONT once it is handled.
+def _held(lb, candidates: list[dict], count: int):
+    """SIGSTOP `count` of the candidate replicas, each the moment it is mid-stream; yields them
+    held (the notice goes out then) and SIGCONTs them after.
 
     Replicas on two shared cores do not advance alike: the OS lets one run ahead and finish
     its streams while another's are still starting, and `spotctl chaos` on a loaded machine
-    takes seconds. Held, the victim cannot finish its streams before the cut; resumed, it
+    takes seconds. Held, a victim cannot finish its streams before the cut; resumed, it
     answers the flush the migrator sent it meanwhile (queued in its socket, well inside the
     flush timeout). What the clients had when the cut came is all it had generated."""
-    for group in groups:
-        os.killpg(group, signal.SIGSTOP)
+    held: list[dict] = []
+    groups: list[int] = []
     try:
-        yield
+        def hold_ready() -> bool:
+            for r in candidates:
+                if r not in held and _mid_stream(lb, r["replica_id"]):
+                    for group in _process_groups([r]):
+                        os.killpg(group, signal.SIGSTOP)
+                        groups.append(group)
+                    held.append(r)
+            return len(held) >= count
+
+        wait_for(hold_ready, 600, f"{count} of {[r['replica_id'] for r in candidates]} mid-stream", 0.01)
+        yield held[:count]
     finally:
         for group in groups:
             with contextlib.suppress(ProcessLookupError):  # a lost notice ends it at once
@@ -198,8 +212,7 @@ def _preempt_mid_stream(d, client, lb_url, topic, preempt):
     assert len({tuple(s.ids) for s in reference}) == STREAMS  # 16 different streams
     _reset_prefix_caches(client)
     chats = Chats(lb_url, "mig", STREAMS, MAX_TOKENS, topic=topic)
-    chats.wait_tokens(CUT_AT, AT_CUT)
-    victims = preempt()
+    victims = preempt()  # each victim held the moment its streams have CUT_AT tokens
     check_streams(chats.join(), reference)
     return victims
 
@@ -215,8 +228,7 @@ def test_preemptions_no_client_sees(state_home, tiny_model, monkeypatch):
 
         # 1. One replica, 30 s notice, through the CLI.
         def preempt_one():
-            victim = busiest(d, "mig", ready(svc))
-            with _held(_process_groups([victim])):
+            with _held(d.lbs["mig"], ready(svc), 1) as (victim,):
                 assert d.lbs["mig"].in_flight(victim["replica_id"]) > 0
                 assert chaos(victim["replica_id"], "--grace", "30") == [victim["replica_id"]]
             assert _states(client)[victim["replica_id"]] == "DRAINING"
@@ -248,9 +260,8 @@ def test_preemptions_no_client_sees(state_home, tiny_model, monkeypatch):
 
         def preempt_zone():
             victims = [r for r in ready(svc) if r["zone"] == crowded]
-            groups = _process_groups(victims)
-            _kill_agents({r["agent_endpoint"] for r in victims})
-            with _held(groups):
+            with _held(d.lbs["mig"], victims, 2):
+                _kill_agents({r["agent_endpoint"] for r in victims})
                 assert sum(d.lbs["mig"].in_flight(r["replica_id"]) for r in victims) > 0
                 return chaos("--zone", crowded, "--grace", "30")
 
@@ -274,8 +285,7 @@ def test_preemptions_no_client_sees(state_home, tiny_model, monkeypatch):
         recomputed_before = metric(lb_url, "spot_migration_kv_recomputed_tokens_total")
 
         def notice_too_late():
-            victim = busiest(d, "mig", live)
-            with _held(_process_groups([victim])):
+            with _held(d.lbs["mig"], live, 1) as (victim,):
                 assert d.lbs["mig"].in_flight(victim["replica_id"]) > 0
                 handled = post_notice(client, "mig", victim["instance_id"], time.time() - 1)
             assert handled["replica_id"] == victim["replica_id"]
