@@ -1,9 +1,11 @@
 """notice -> drain -> flush KV -> resume in-flight requests elsewhere (the preemption path).
 
 Steps 1-3 of DESIGN.md's preemption path, in the order that keeps clients unaware:
-1. the controller marks the replica DRAINING (the load balancer stops sending it new
-   requests the same instant) and the policy is asked for a replacement at once, not at
-   the next tick: a notice is the cheapest moment to start a cold start;
+1. the load balancer drains the replica (no new request from that instant, whatever replica
+   set the controller publishes later), then the controller marks it DRAINING and the policy
+   is asked for a replacement at once, not at the next tick: a notice is the cheapest moment
+   to start a cold start. The LB goes first because the controller's lock may be held by a
+   reconcile pass talking to a cloud API, and steps 2-3 need nothing from the controller;
 2. the load balancer cuts the replica's in-flight streams. From then on the client has no
    token the replica has not already generated, and each of those tokens' full blocks was
    handed to the replica's KV saver in the step that computed it;
