@@ -112,6 +112,7 @@ class Migrator:
         self._metrics_lock = threading.Lock()
         self.last_outcome: dict[str, KVOutcome] = {}  # replica id -> what its continuations got
         self._noticed: set[str] = set()  # replicas whose migration has begun (once per replica)
+        self._notices_lock = threading.Lock()  # one batch of notices acted on at a time
 
     def metrics(self, lb) -> MigrationMetrics:
         with self._metrics_lock:
@@ -150,6 +151,14 @@ class Migrator:
         The load balancer acts first, the controller second: the controller's lock can be
         held for seconds by a reconcile pass that is launching through a cloud API, and the
         streams of a warned replica must not run on (and finish unmigrated) meanwhile."""
+        with self._notices_lock:
+            found, services = self._move_streams(notices)
+        return self._record_notices(found, services)
+
+    def _move_streams(self, notices: list[Notice]) -> tuple[list[tuple[Notice, ReplicaRow | None]], list[str]]:
+        """Drain the noticed replicas on their LBs and start their migrations (nothing here
+        waits for a controller). Under `_notices_lock`, so a batch that chaos injects is not
+        split by the reconcile loop reading the same notices from the cloud's feed."""
         received = time.monotonic()
         found = [(notice, self._replica_for_instance(notice.instance_id)) for notice in notices]
         moving = [(r, n) for n, r in found if r is not None and _drains(r.replica_state)
@@ -164,6 +173,12 @@ class Migrator:
                 log.info("notice for %s (deadline in %.1fs): draining", r.replica_id, n.deadline - time.time())
             threading.Thread(target=self._migrate, args=(service, batch, received), daemon=True,
                              name=f"migrate-{service}").start()
+        return found, services
+
+    def _record_notices(self, found: list[tuple[Notice, ReplicaRow | None]], services: list[str]) -> list[str | None]:
+        """The controllers' part: DRAINING in the store, the notice event, the policy told, and
+        the replacements asked for now. Outside `_notices_lock`: a reconcile pass holding its
+        controller's lock may be waiting for that one."""
         out = []
         for notice, row in found:  # DRAINING in the store, the notice event, the policy told
             controller = self.daemon.controllers.get(row.service) if row is not None else None
@@ -324,20 +339,22 @@ class Migrator:
         (a correlated loss arrives at once), each followed by the kill at its deadline."""
         targets = self._chaos_targets(replica_id, zone, service)
         notices = []
-        for r in targets:
-            provider = self.daemon.provider(r.cloud)
-            inject = getattr(provider, "inject_notice", None)
-            if inject is not None:
-                notice = inject(r.instance_id, grace_s)
-            else:  # a real cloud: our own notice, and we end the instance at its deadline
-                notice = Notice(r.instance_id, NoticeKind.PREEMPT, time.time() + grace_s, source="chaos")
-                threading.Timer(grace_s, provider.terminate, args=(r.instance_id,)).start()
-            self.daemon.store.record_event(
-                "chaos", service=r.service, replica_id=r.replica_id, location=r.location, market=r.market_enum,
-                message=f"preemption injected, grace {grace_s:.0f}s",
-            )
-            notices.append((r, Notice(notice.instance_id, notice.kind, notice.deadline, source="chaos")))
-        self.on_notices([n for _r, n in notices])
+        with self._notices_lock:  # the cloud's feed has them as soon as they are injected
+            for r in targets:
+                provider = self.daemon.provider(r.cloud)
+                inject = getattr(provider, "inject_notice", None)
+                if inject is not None:
+                    notice = inject(r.instance_id, grace_s)
+                else:  # a real cloud: our own notice, and we end the instance at its deadline
+                    notice = Notice(r.instance_id, NoticeKind.PREEMPT, time.time() + grace_s, source="chaos")
+                    threading.Timer(grace_s, provider.terminate, args=(r.instance_id,)).start()
+                self.daemon.store.record_event(
+                    "chaos", service=r.service, replica_id=r.replica_id, location=r.location, market=r.market_enum,
+                    message=f"preemption injected, grace {grace_s:.0f}s",
+                )
+                notices.append((r, Notice(notice.instance_id, notice.kind, notice.deadline, source="chaos")))
+            found, services = self._move_streams([n for _r, n in notices])
+        self._record_notices(found, services)
         return [r.replica_id for r, _n in notices]
 
     def _chaos_targets(self, replica_id: str | None, zone: str | None, service: str | None) -> list[ReplicaRow]:
