@@ -459,7 +459,7 @@ class LoadBalancer:
             self._acquire(replica, handle)
             handle.waiting = True
             try:
-                if method == "HEAD":  # no body follows its headers: not for the pool's parser
+                if method == "HEAD" or not upstream.url.startswith("http://"):  # HEAD: no body; TLS: aiohttp
                     async with session.request(method, upstream.url + target, data=raw, headers=headers) as resp:
                         payload = await resp.read()
                         status = resp.status
