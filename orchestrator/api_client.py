@@ -41,6 +41,10 @@ def running_daemon_url() -> str | None:
     try:
         r = httpx.get(f"{info['url']}/v1/health", timeout=2.0)
         return info["url"] if r.status_code == 200 else None
+    except httpx.TimeoutException:
+        # Its process is alive and its port did not refuse: a daemon busy for a moment on a
+        # loaded machine, not a missing one (and `up` must not start a second one beside it).
+        return info["url"]
     except httpx.HTTPError:
         return None
 

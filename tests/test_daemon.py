@@ -141,3 +141,21 @@ def test_notice_drains_replaces_and_the_deadline_kills(daemon):
     assert r.status_code == 200 and r.json()["replica_id"] is None
     r = client.post("/v1/notices", json={"instance_id": "x", "kind": "bogus", "deadline": 1})
     assert r.status_code == 422 and "kind" in r.json()["detail"]
+
+
+def test_a_daemon_slow_to_answer_is_still_the_running_daemon(state_home):
+    """A busy daemon (its pid alive, its port open, its answer late) is found, not replaced:
+    `spotctl` must neither say "no daemon is running" nor start a second one."""
+    import socket
+
+    from orchestrator import api_client
+    from orchestrator.daemon import write_daemon_info
+
+    with socket.socket() as silent:  # accepts (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        write_daemon_info(url)  # this process's pid: alive
+        assert api_client.running_daemon_url() == url
+    write_daemon_info(url)  # the port now refuses: no daemon there
+    assert api_client.running_daemon_url() is None
