@@ -78,17 +78,22 @@ def _reference(endpoint: str) -> list:
     return streams
 
 
-def test_notice_drains_cuts_and_continues_every_stream(daemon):
-    d, client = daemon
+def _streams_under_way(d, client):
+    """The reference run, then the same streams again until each has CUT_AT tokens:
+    (LB url, reference, the running chats, the replica with most of them, its count)."""
     svc = service(client, "mig")
     lb_url = svc["endpoint"]
     reference = _reference(lb_url)
-
-    # One replica, 3 s grace, through the CLI: every stream goes on, token for token.
     chats = Chats(lb_url, "mig", STREAMS, MAX_TOKENS)
     chats.wait_tokens(CUT_AT)
     victim = busiest(d, "mig", ready(svc))
-    in_flight = d.lbs["mig"].in_flight(victim["replica_id"])
+    return lb_url, reference, chats, victim, d.lbs["mig"].in_flight(victim["replica_id"])
+
+
+def test_notice_drains_cuts_and_continues_every_stream(daemon):
+    d, client = daemon
+    # One replica, 3 s grace, through the CLI: every stream goes on, token for token.
+    lb_url, reference, chats, victim, in_flight = _streams_under_way(d, client)
     assert in_flight > 0
     assert chaos(victim["replica_id"], "--grace", "3") == [victim["replica_id"]]
     states = {r["replica_id"]: r["state"] for r in service(client, "mig")["replicas"]}
@@ -152,13 +157,7 @@ def test_a_notice_from_the_clouds_control_plane_moves_the_streams_too(daemon):
     """Notices the provider reports (spot interruption feeds) reach the migrator through the
     reconcile loop: not only DRAINING, the streams are cut and continued as well."""
     d, client = daemon
-    svc = service(client, "mig")
-    lb_url = svc["endpoint"]
-    reference = _reference(lb_url)
-    chats = Chats(lb_url, "mig", STREAMS, MAX_TOKENS)
-    chats.wait_tokens(CUT_AT)
-    victim = busiest(d, "mig", ready(svc))
-    in_flight = d.lbs["mig"].in_flight(victim["replica_id"])
+    lb_url, reference, chats, victim, in_flight = _streams_under_way(d, client)
     LocalProvider().inject_notice(victim["instance_id"], 3)  # as the cloud would: the daemon is not told
     check_streams(chats.join(), reference)
     assert metric(lb_url, 'spot_lb_migrations_total{mode="resume",reason="cut"}') == in_flight
@@ -170,13 +169,9 @@ def test_the_cut_does_not_wait_for_a_busy_controller(daemon):
     (seconds, on a real cloud). A notice arriving then must still move the streams at once:
     the load balancer drains and cuts first, the controller records DRAINING when it can."""
     d, client = daemon
-    svc = service(client, "mig")
-    lb, lb_url = d.lbs["mig"], svc["endpoint"]
-    reference = _reference(lb_url)
-    chats = Chats(lb_url, "mig", STREAMS, MAX_TOKENS)
-    chats.wait_tokens(CUT_AT)
-    victim = busiest(d, "mig", ready(svc))["replica_id"]
-    in_flight = lb.in_flight(victim)
+    lb = d.lbs["mig"]
+    lb_url, reference, chats, victim_row, in_flight = _streams_under_way(d, client)
+    victim = victim_row["replica_id"]
     assert in_flight > 0
 
     held, release = threading.Event(), threading.Event()
