@@ -44,6 +44,30 @@ log = logging.getLogger("orchestrator.daemon")
 RECONCILE_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_RECONCILE_S", "2"))
 PROBE_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_PROBE_S", "2"))
 PRICES_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_PRICES_S", "600"))
+# A reconcile or probe pass longer than this is logged once, with its time: every pass of the
+# same job waits for it (and notices wait for the controller's lock it holds).
+SLOW_PASS_S = 30.0
+
+
+class _QuietSkips(logging.Filter):
+    """apscheduler warns at every interval that a job still running was skipped (one line per
+    2 s during a slow cloud launch); `_timed` says it once instead, with the time it took."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "maximum number of running instances" not in record.getMessage()
+
+
+logging.getLogger("apscheduler.scheduler").addFilter(_QuietSkips())
+
+
+def _timed(what: str, step: Callable[[], object]) -> None:
+    started = time.monotonic()
+    try:
+        step()
+    finally:
+        took = time.monotonic() - started
+        if took > SLOW_PASS_S:
+            log.warning("%s took %.0fs; the passes due meanwhile were skipped", what, took)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -218,7 +242,7 @@ class Daemon:
                 if row is not None and row.status == ServiceStatus.SHUTTING_DOWN:
                     self._finish_down(name)
                 return
-            controller.reconcile()
+            _timed(f"reconcile of {name}", controller.reconcile)
             row = self.store.get_service(name)
             if row is not None and row.status == ServiceStatus.SHUTTING_DOWN:
                 self._finish_down(name)
@@ -232,7 +256,7 @@ class Daemon:
     def probe_all(self) -> None:
         for name, controller in list(self.controllers.items()):
             try:
-                controller.probe()
+                _timed(f"probe of {name}", controller.probe)
             except Exception:
                 log.exception("probe of %s failed", name)
 

@@ -56,6 +56,12 @@ _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError
 # A stream that broke after it began (replica killed, connection reset, cut by migrate()).
 _STREAM_ERRORS = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError, UpstreamStreamError,
                   json.JSONDecodeError)
+# A kept-alive connection the replica closes just as a request goes out on it fails with
+# ServerDisconnectedError before any answer. aiohttp resends only idempotent methods on a fresh
+# connection (RFC 9112 section 9.3.1); our POSTs are resent too, this many times, before the try
+# counts against the replica: the replica closed an idle connection, it did not fail. (A dead
+# replica refuses the fresh connection, and that counts at once.)
+STALE_RESENDS = 2
 _JSON = b"application/json"
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
@@ -460,7 +466,7 @@ class LoadBalancer:
             handle.waiting = True
             try:
                 if method == "HEAD" or not upstream.url.startswith("http://"):  # HEAD: no body; TLS: aiohttp
-                    async with session.request(method, upstream.url + target, data=raw, headers=headers) as resp:
+                    async with await _request(session, method, upstream.url + target, raw, headers) as resp:
                         payload = await resp.read()
                         status = resp.status
                         content_type = resp.headers.get("Content-Type", "application/json").encode("latin-1")
@@ -502,7 +508,7 @@ class LoadBalancer:
             self._acquire(replica, handle)
             handle.waiting = True
             try:
-                async with session.post(upstream.url + path, data=raw, headers=headers) as resp:
+                async with await _request(session, "POST", upstream.url + path, raw, headers) as resp:
                     if resp.status != 200:
                         payload = await resp.read()
                         handle.done = True
@@ -578,7 +584,7 @@ class LoadBalancer:
             failure: str | None = None
             resp = None
             try:
-                resp = await session.post(upstream.url + path, data=json.dumps(body).encode(), headers=headers)
+                resp = await _request(session, "POST", upstream.url + path, json.dumps(body).encode(), headers)
                 if resp.status != 200:
                     payload = await resp.read()
                     if not started:
@@ -667,6 +673,17 @@ class LoadBalancer:
         if not started:
             return await self._refuse(send, handle, max(tries, 1))
         await self._end_with_error(send, "the stream could not be continued on any replica")
+
+
+async def _request(session: aiohttp.ClientSession, method: str, url: str, data: bytes,
+                   headers: dict) -> aiohttp.ClientResponse:
+    """session.request(), resent on a fresh connection when a kept-alive one was closed under it."""
+    for _ in range(STALE_RESENDS):
+        try:
+            return await session.request(method, url, data=data, headers=headers)
+        except aiohttp.ServerDisconnectedError:
+            log.debug("%s %s: the kept-alive connection was closed before an answer; resending", method, url)
+    return await session.request(method, url, data=data, headers=headers)
 
 
 async def _call(hook: Callable[[], object]) -> None:

@@ -28,6 +28,10 @@ REPLICA_ENV = {
     # vLLM's block hashes must agree across replicas even if a build falls back to hash().
     "PYTHONHASHSEED": "0",
     "PYTHONUNBUFFERED": "1",
+    # Idle keep-alive connections are closed by the load balancer (after 30 s), not by the
+    # replica: vLLM's default of 5 s closes them under the LB's pooled ones, and a request
+    # sent as one closes is refused without an answer.
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",
 }
 
 

@@ -24,6 +24,22 @@ def _replica_has_vllm() -> str | None:
     return None
 
 
+REPLICA_LOG_LINES = 80
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that ran replicas shows the end of each replica's log (vLLM, its engine
+    and its agent write there) in its report: in CI that is all there is to go on."""
+    report = yield
+    home = getattr(item, "funcargs", {}).get("state_home")
+    if report.when == "call" and report.failed and home is not None:
+        for log in sorted((Path(home) / "logs").glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()[-REPLICA_LOG_LINES:]
+            report.sections.append((f"replica log {log.name} (last {len(lines)} lines)", "\n".join(lines)))
+    return report
+
+
 @pytest.fixture(scope="session")
 def replica_runtime() -> Path:
     """The replica runtime's python (vLLM CPU build); skips the test when unavailable."""

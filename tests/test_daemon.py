@@ -159,3 +159,18 @@ def test_a_daemon_slow_to_answer_is_still_the_running_daemon(state_home):
         assert api_client.running_daemon_url() == url
     write_daemon_info(url)  # the port now refuses: no daemon there
     assert api_client.running_daemon_url() is None
+
+
+def test_a_slow_pass_is_logged_once_with_its_time(caplog, monkeypatch):
+    import logging
+
+    from orchestrator import daemon
+
+    monkeypatch.setattr(daemon, "SLOW_PASS_S", 0.05)
+    with caplog.at_level(logging.INFO):
+        daemon._timed("reconcile of svc", lambda: time.sleep(0.1))
+        daemon._timed("probe of svc", lambda: None)
+        for _ in range(3):  # what apscheduler says at every interval the pass overran
+            logging.getLogger("apscheduler.scheduler").warning(
+                'Execution of job "%s" skipped: maximum number of running instances reached (%d)', "reconcile", 1)
+    assert [r.getMessage().split(" took")[0] for r in caplog.records] == ["reconcile of svc"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import socketserver
 import threading
 
 import httpx
@@ -157,6 +158,59 @@ def test_connection_refused_is_retried_on_another_replica(fakes, make_lb):
     assert metric(lb.url, 'spot_lb_errors_total{kind="connect",replica="dead"}') >= 2
     assert metric(lb.url, "spot_lb_retries_total") >= 2
     assert lb.in_flight("dead") == lb.in_flight("a") == 0
+
+
+class ClosesKeptAlive:
+    """A replica in front of `fake` that serves the first request of each connection and
+    closes the connection when a second one arrives on it, without an answer: what a replica
+    does when its keep-alive timer fires just as the LB reuses the connection."""
+
+    def __init__(self, fake: FakeProcess):
+        self.fake, self.connections = fake, 0
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(handler):
+                self.connections += 1
+                head = b""
+                while not head.endswith(b"\r\n\r\n"):
+                    head += handler.rfile.read(1)
+                lines = head.decode("latin-1").split("\r\n")
+                length = next(int(line.split(":")[1]) for line in lines if line.lower().startswith("content-length"))
+                method, target, _ = lines[0].split(" ")
+                answer = httpx.request(method, fake.url + target, content=handler.rfile.read(length),
+                                       headers={"Content-Type": "application/json"}, timeout=30)
+                handler.wfile.write(b"HTTP/1.1 %d OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+                                    % (answer.status_code, answer.headers["content-type"].encode(),
+                                       len(answer.content)) + answer.content)
+                handler.wfile.flush()
+                handler.rfile.read(1)  # the next request on this connection: close it unanswered
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_kept_alive_connection_closed_under_a_request_is_not_a_failed_replica(fakes, make_lb):
+    """Streams go through aiohttp, which resends only idempotent methods on a fresh connection.
+    With one replica, a POST whose reused connection is closed under it was a 502."""
+    replica = ClosesKeptAlive(fakes[0])
+    try:
+        lb = make_lb("least_load", [Upstream("a", replica.url)])
+        chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 3}
+        for body in [chat, chat, {**chat, "n": 2}, {**chat, "n": 2}]:  # continued streams, then passthrough
+            with httpx.stream("POST", lb.url + "/v1/chat/completions", json=body, timeout=30) as resp:
+                assert resp.status_code == 200, resp.read()
+                events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and "error" not in "".join(events)
+        assert replica.connections >= 4  # the later requests did meet a closed connection
+        assert metric(lb.url, 'spot_lb_errors_total{kind="connect"') == 0
+    finally:
+        replica.close()
 
 
 def test_all_tries_failing_gives_502(make_lb):
