@@ -10,6 +10,10 @@ from orchestrator.kv.codec import HEADER_SIZE
 from orchestrator.kv.placement import StoreNode, parse_nodes
 from orchestrator.kv.pool import ErasureCodedPool, InsufficientShardsStored, shard_key
 from orchestrator.kv.store import StoreClient
+from orchestrator.kv.repair import Repairer
+from orchestrator.kv.saver import KnownKeys
+from orchestrator.kv.stats import KVStats
+from tests.helpers import wait_for
 from tests.kv_stores import SECRET, StoreProcess, secret_file
 
 ZONES = ("zone-a", "zone-b", "zone-c")
@@ -134,3 +138,67 @@ def test_a_key_given_twice_in_one_put_many_keeps_the_last_payload(cluster):
     pool, _, _ = cluster
     pool.put_many([("dup", b"first" * 100), ("other", b"x"), ("dup", b"second" * 100)])
     assert pool.get_many(["dup", "other"]) == [b"second" * 100, b"x"]
+
+
+def _whole_at_holders(pool: ErasureCodedPool, key: str) -> bool:
+    """Every holder under the pool's current membership has its shard of `key`."""
+    clients = {}
+    try:
+        for index, node in enumerate(pool.holders(key)):
+            client = clients.setdefault(node.node_id, StoreClient(node.endpoint, SECRET))
+            if not client.has(shard_key(key, index)):
+                return False
+        return True
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+@pytest.fixture
+def zone_a_replaced(cluster, tmp_path):
+    """20 groups stored; then zone a is lost with both its stores, and two new stores in a
+    zone d join. Yields (pool, procs, data)."""
+    pool, procs, nodes = cluster
+    data = payloads(20)
+    pool.put_many(list(data.items()))
+    for node_id in ("zone-a-0", "zone-a-1"):
+        procs[node_id].kill()
+    joined = [StoreProcess(secret_file(tmp_path)) for _ in range(2)]
+    try:
+        survivors = [n for n in nodes if n.zone != "zone-a"]
+        pool.update_nodes(survivors + [StoreNode(f"zone-d-{i}", p.endpoint, "local", "local-1", "zone-d")
+                                       for i, p in enumerate(joined)])
+        assert not any(_whole_at_holders(pool, key) for key in data)  # each group lost 2 of 6
+        yield pool, procs, data
+    finally:
+        for proc in joined:
+            proc.kill()
+
+
+def test_repair_puts_back_what_a_lost_zone_took_so_a_second_zone_loss_is_survived(zone_a_replaced):
+    pool, procs, data = zone_a_replaced
+    keys = list(data)
+    repaired = pool.repair_many([*keys, "never-stored"])
+    assert all(n >= 2 for n in repaired[:-1]) and repaired[-1] is None, repaired
+    assert all(_whole_at_holders(pool, key) for key in keys)
+    assert pool.repair_many(keys) == [0] * len(keys)  # whole now: nothing moves
+    # Zone b goes too. Unrepaired, each group would be down to zone c's 2 shards.
+    for node_id in ("zone-b-0", "zone-b-1"):
+        procs[node_id].kill()
+    assert pool.get_many(keys) == list(data.values())
+
+
+def test_the_repairer_walks_the_known_keys_after_a_change(zone_a_replaced):
+    pool, _, data = zone_a_replaced
+    known, stats = KnownKeys(), KVStats()
+    known.add(["never-stored", *data])
+    repairer = Repairer(pool, known, stats, settle_s=0.1, batch_keys=8)
+    try:
+        repairer.schedule()
+        snapshot = wait_for(lambda: (s := stats.snapshot())["repair_passes"] and s, 60, "a repair pass")
+    finally:
+        repairer.close()
+    assert snapshot["groups_repaired"] == len(data) and snapshot["shards_repaired"] >= 2 * len(data)
+    assert snapshot["groups_unrecoverable"] == 1 and snapshot["repair_failures"] == 0
+    assert "never-stored" not in known and all(key in known for key in data)  # a lost one may be pushed again
+    assert all(_whole_at_holders(pool, key) for key in data)

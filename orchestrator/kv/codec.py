@@ -8,18 +8,18 @@ Two layers:
   nothing allocated, data shards used in place. This is what runs at 2x memcpy.
 - framed shards, `encode` / `decode`: each shard is a 32-byte header + S bytes. The header
   carries a CRC-32 of header and data, so a corrupted, truncated or foreign shard is an
-  erasure, never decoded into wrong KV. A random stripe id ties the shards of one encoding
-  together (a stale shard of an older write of the same key is not mixed in).
+  erasure, never decoded into wrong KV. A stripe id, the payload's CRC-32, ties the shards of
+  one encoding together (a stale shard of an older, different write of the same key is not
+  mixed in; identical writes give identical shards).
 
 Header (little endian): magic "KVEC", crc32 u32 (of everything after it: the rest of the
 header and the data, in one pass), version u8, index u8, k u8, m u8, payload length u64,
-shard length u32, stripe id u32, reserved u32 (0).
+shard length u32, stripe id u32 (the payload's CRC-32), reserved u32 (0).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import struct
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -162,8 +162,14 @@ class Codec:
     # Addresses are computed by arithmetic and copies done with memmove: for KV-block-sized
     # payloads (tens of KiB) numpy views and ctypes conversions would cost more than the coding.
 
-    def encode(self, payload: Buffer) -> list[memoryview]:
-        """The k+m framed shards of a payload (views into one fresh buffer)."""
+    def encode(self, payload: Buffer, stripe: int | None = None) -> list[memoryview]:
+        """The k+m framed shards of a payload (views into one fresh buffer).
+
+        The stripe id is the payload's CRC-32 unless `stripe` is given (shard repair re-creates
+        lost shards of an existing encoding, byte for byte, so they join the shards still
+        stored). Derived from the content, not random: two replicas that store the same block
+        at once write identical shards, and whichever lands last on each store, the group
+        stays one encoding; a different payload gets another stripe and is never mixed in."""
         src = np.frombuffer(payload, dtype=np.uint8)
         n, k, m = src.size, self.k, self.m
         size = self.shard_len(n)
@@ -180,8 +186,9 @@ class Codec:
         self._lib.ec_encode_data(size, k, m, self._encode_tables.ctypes.data, _pointers(data[:k]),
                                  _pointers(data[k:]))
         flat = memoryview(frames)
-        stripe = int.from_bytes(os.urandom(4), "little")
         crc = self._crc
+        if stripe is None:
+            stripe = crc(0, src_base, n) if n else 0
         for i in range(k + m):
             offset = i * stride
             HEADER.pack_into(flat, offset, MAGIC, 0, VERSION, i, k, m, n, size, stripe, 0)
@@ -211,12 +218,18 @@ class Codec:
         """
         return self.assemble([p for p in (self.parse(f) for f in frames if f is not None) if p is not None])
 
-    def assemble(self, shards: Sequence[Shard]) -> bytearray:
-        """The payload from shards already checked by `parse` (the pool parses on arrival)."""
+    @staticmethod
+    def best_stripe(shards: Sequence[Shard]) -> dict[int, Shard]:
+        """{index: shard} of the encoding with the most shards among these (a group can hold
+        shards of two writes of its key)."""
         stripes: dict[tuple[int, int], dict[int, Shard]] = {}
         for shard in shards:
             stripes.setdefault((shard.stripe, shard.payload_len), {})[shard.index] = shard
-        best = max(stripes.values(), key=len, default={})
+        return max(stripes.values(), key=len, default={})
+
+    def assemble(self, shards: Sequence[Shard]) -> bytearray:
+        """The payload from shards already checked by `parse` (the pool parses on arrival)."""
+        best = self.best_stripe(shards)
         if len(best) < self.k:
             raise TooManyErasures(f"only {len(best)} valid shard(s) of {self.k}+{self.m}; need {self.k} to decode")
         chosen = [best[i] for i in sorted(best)[: self.k]]  # data shards first: fewest to rebuild

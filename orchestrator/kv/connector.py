@@ -22,7 +22,9 @@ What it does:
 - Control: the worker serves POST /v1/flush (wait until every full block is stored: what
   a preemption notice calls) and GET /v1/stats on `control_port` (orchestrator.kv.control).
 - Membership: the shard stores come from the config and, with `membership_url`, from the
-  daemon, re-polled so the placement follows replicas coming and going.
+  daemon, re-polled so the placement follows replicas coming and going; after each change
+  the worker puts back the shards of the groups it knows that their holders lack
+  (orchestrator.kv.repair).
 
 Tested end to end on vLLM 0.32's CPU build (block size 32, TP 1). Written for GPU as well
 (pinned host staging, batched device copies, events) but not run on one; TP > 1 is untested
@@ -47,6 +49,7 @@ from orchestrator.kv.control import ControlServer
 from orchestrator.kv.keys import layout_tag
 from orchestrator.kv.membership import Membership
 from orchestrator.kv.plan import SchedulerPlanner, StepPlan
+from orchestrator.kv.repair import Repairer
 from orchestrator.kv.saver import BlockSaver
 from orchestrator.kv.settings import CONNECTOR_NAME, ConnectorSettings, parse_settings
 from orchestrator.kv.stats import KVStats
@@ -98,10 +101,8 @@ def _open_pool(settings: ConnectorSettings, membership: Membership):
     if not membership.nodes:
         raise UserError(f"kv_connector_extra_config: no shard stores known ({settings.membership_url} "
                         "listed none and no 'stores' or own store were given)")
-    pool = ErasureCodedPool(membership.nodes, settings.secret, k=settings.k, m=settings.m,
+    return ErasureCodedPool(membership.nodes, settings.secret, k=settings.k, m=settings.m,
                             timeout_s=settings.timeout_s)
-    membership.watch(pool.update_nodes)
-    return pool
 
 
 def _tp_rank_and_size(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[int, int]:
@@ -134,6 +135,7 @@ class SpotKVConnector(KVConnectorBase_V1):
         self._planner: SchedulerPlanner | None = None
         self._transfers: WorkerTransfers | None = None
         self._saver: BlockSaver | None = None
+        self._repairer: Repairer | None = None
         self._control: ControlServer | None = None
         if role == KVConnectorRole.SCHEDULER:
             # vLLM's scheduler reads the policy right after constructing us; "fail" would turn
@@ -148,6 +150,7 @@ class SpotKVConnector(KVConnectorBase_V1):
             stats = KVStats()
             self._saver = BlockSaver(self._pool, stats, max_pending_bytes=settings.max_pending_bytes,
                                      batch_blocks=settings.push_batch_blocks)
+            self._repairer = Repairer(self._pool, self._saver.known, stats)
             self._transfers = WorkerTransfers(self._pool, self._saver, stats, layer_names=list(group.layer_names),
                                               num_blocks=kv_cache_config.num_blocks, block_size=self._block_size)
             if settings.control_port is not None:
@@ -161,8 +164,14 @@ class SpotKVConnector(KVConnectorBase_V1):
                     raise UserError(f"kv_connector_extra_config.control_port: cannot listen on "
                                     f"{settings.control_host}:{port}: {err.strerror}") from None
                 log.info("kv connector control listening on %s", self._control.address)
+        self._membership.watch(self._stores_changed)
         log.info("kv connector %s: role %s, %d stores, k=%d m=%d, layout %s", CONNECTOR_NAME, role.name,
                  len(self._membership.nodes), settings.k, settings.m, tag)
+
+    def _stores_changed(self, nodes) -> None:
+        self._pool.update_nodes(nodes)
+        if self._repairer is not None:  # the worker: it knows the keys it stored and loaded
+            self._repairer.schedule()
 
     # ---- worker side -------------------------------------------------------------------
 
@@ -195,6 +204,8 @@ class SpotKVConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._control is not None:
             self._control.close()
+        if self._repairer is not None:
+            self._repairer.close()
         if self._saver is not None:
             self._saver.close()
         if self._planner is not None:

@@ -21,6 +21,8 @@ This is the one API the vLLM connector (orchestrator/kv/connector.py) uses:
     pool.has(key: str) -> bool          cheap: >= k shards present (no data transferred)
     pool.has_many(keys: list[str]) -> list[bool]
     pool.update_nodes(nodes: list[StoreNode]) -> None   membership changed (new placement)
+    pool.repair_many(keys: list[str]) -> list[int | None]
+        put back the shards the current holders lack (per key: how many; None: unrecoverable)
     pool.close() -> None                 (also a context manager)
 
     StoreNode(node_id: str, endpoint: str, cloud: str, region: str, zone: str)  frozen
@@ -141,6 +143,17 @@ class ErasureCodedPool:
 
     def get_many(self, keys: Sequence[str]) -> list[bytearray | None]:
         """Each key's payload from the first k valid shards that arrive; None if unrecoverable."""
+        out: list[bytearray | None] = []
+        for shards in self._gather(keys):
+            try:
+                out.append(self._codec.assemble(shards))
+            except TooManyErasures:
+                out.append(None)
+        return out
+
+    def _gather(self, keys: Sequence[str]) -> list[list[Shard]]:
+        """The valid shards of each key, asked of every holder at once; a key's collection
+        stops once k shards of one encoding are in."""
         parsed: list[list[Shard]] = [[] for _ in keys]
         complete = [False] * len(keys)
         remaining = [len(keys)]
@@ -156,37 +169,79 @@ class ErasureCodedPool:
             return remaining[0] == 0
 
         gather_until(self._executor, self._key_calls(keys, "get_many"), collect, self._deadline())
-        out: list[bytearray | None] = []
-        for shards in parsed:
-            try:
-                out.append(self._codec.assemble(shards))
-            except TooManyErasures:
-                out.append(None)
-        return out
+        return parsed
 
     def has(self, key: str) -> bool:
         return self.has_many([key])[0]
 
     def has_many(self, keys: Sequence[str]) -> list[bool]:
         """Whether >= k shards of each key are present (no shard data moves)."""
-        present: list[set[int]] = [set() for _ in keys]  # shard indices found
+        return [len(found) >= self.k for found in self._present(keys, enough=self.k)]
+
+    def _present(self, keys: Sequence[str], enough: int, current_only: bool = False) -> list[set[int]]:
+        """The shard indices of each key that some holder has (only its holder under the
+        current membership with `current_only`); a key's count stops at `enough`."""
+        present: list[set[int]] = [set() for _ in keys]
         remaining = [len(keys)]
 
         def count(items_and_flags: tuple[list[tuple[int, int]], list[bool]]) -> bool:
             for (item, index), ok in zip(*items_and_flags, strict=True):
-                if ok and len(present[item]) < self.k:
+                if ok and len(present[item]) < enough:
                     present[item].add(index)
-                    remaining[0] -= len(present[item]) == self.k
+                    remaining[0] -= len(present[item]) == enough
             return remaining[0] == 0
 
-        gather_until(self._executor, self._key_calls(keys, "has_many"), count, self._deadline())
-        return [len(found) >= self.k for found in present]
+        calls = self._key_calls(keys, "has_many", current_only=current_only)
+        gather_until(self._executor, calls, count, self._deadline())
+        return present
 
-    def _key_calls(self, keys: Sequence[str], operation: str) -> list[Callable]:
+    # -- repair --------------------------------------------------------------------------
+
+    def repair_many(self, keys: Sequence[str]) -> list[int | None]:
+        """Put back the shards of these groups that their holders under the current
+        membership lack (a store that left took them, or a new store took over their place).
+        Per key: how many shards were put back (0: the group was whole), or None when fewer
+        than k valid shards of one encoding were found anywhere (it is a cache miss now).
+
+        The missing shards are re-encoded from the decoded payload with the group's own stripe
+        id: byte for byte the shards that were lost, so they join the ones still stored. (A
+        holder's shard is taken as present without reading it; one of another encoding of the
+        key, from two replicas writing it at once, is not told apart.)"""
+        keys = list(dict.fromkeys(keys))
+        placement, clients = self._view[0][0], self._view[1]
+        whole = self.k + self.m
+        present = self._present(keys, enough=whole, current_only=True)
+        out: list[int | None] = [0] * len(keys)
+        broken = [item for item, found in enumerate(present) if len(found) < whole]
+        per_node: dict[str, list[tuple[int, str, memoryview]]] = defaultdict(list)
+        for item, shards in zip(broken, self._gather([keys[i] for i in broken]), strict=True):
+            encoding = self._codec.best_stripe(shards)
+            if len(encoding) < self.k:
+                out[item] = None
+                continue
+            payload = self._codec.assemble(list(encoding.values()))
+            frames = self._codec.encode(payload, stripe=next(iter(encoding.values())).stripe)
+            for index, node in enumerate(placement.holders(keys[item])):
+                if index not in present[item] and node.node_id in clients:
+                    per_node[node.node_id].append((item, shard_key(keys[item], index), frames[index]))
+
+        def count(items_and_flags: tuple[list[int], list[bool]]) -> bool:
+            for item, ok in zip(*items_and_flags, strict=True):
+                out[item] += ok
+            return False
+
+        calls = [_call(clients[node_id].put_many, chunk) for node_id, shards in per_node.items()
+                 for chunk in _chunks_by_bytes(shards, PUT_REQUEST_BYTES)]
+        gather_until(self._executor, calls, count, self._deadline())
+        return out
+
+    def _key_calls(self, keys: Sequence[str], operation: str, current_only: bool = False) -> list[Callable]:
         """One call of StoreClient.<operation> per holder (and per GET_REQUEST_KEYS shards)
         covering all shards of `keys` at their holders under the current and the previous
-        placements; each returns ((item, shard index) pairs, results)."""
+        placements (only the current one with `current_only`); each returns ((item, shard
+        index) pairs, results)."""
         placements, clients = self._view
+        placements = placements[:1] if current_only else placements
         per_node: dict[str, list[tuple[tuple[int, int], str]]] = defaultdict(list)
         for item, key in enumerate(keys):
             asked: set[tuple[str, int]] = set()

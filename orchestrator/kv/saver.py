@@ -75,6 +75,11 @@ class KnownKeys:
             while len(self._keys) > self._capacity:
                 self._keys.popitem(last=False)
 
+    def newest(self) -> list[str]:
+        """The keys, most recently stored or loaded first (a snapshot)."""
+        with self._lock:
+            return list(reversed(self._keys))
+
     def discard(self, keys: Sequence[str]) -> None:
         with self._lock:
             for key in keys:

@@ -24,6 +24,7 @@ class KVStats:
         "blocks_saved", "bytes_saved", "blocks_already_stored", "blocks_dropped", "blocks_save_failed",
         "blocks_loaded", "bytes_loaded", "blocks_load_failed", "tokens_loaded", "tokens_recomputed",
         "requests", "requests_hit", "flushes",
+        "repair_passes", "groups_repaired", "shards_repaired", "groups_unrecoverable", "repair_failures",
     )
 
     def __init__(self, recent: int = 256):

@@ -1,0 +1,86 @@
+"""Shard repair: after the shard stores change, put back the shards of known groups that
+their holders lack.
+
+A store that leaves (its replica preempted or scaled down) takes one shard of many groups
+with it. Those groups still decode, from k to k+m-1 shards, but one more loss in another
+zone could take them below k: repair restores the margin the code was chosen for. A store
+that joins takes over some groups' places under the new placement; repair fills those
+places too, which is what moves data when membership changes (the placement itself only
+says where shards belong).
+
+Who repairs what: each replica's connector worker repairs the keys it stored or loaded
+recently (orchestrator.kv.saver.KnownKeys), newest first, in batches
+(ErasureCodedPool.repair_many), on a background thread a few seconds after each change, so a
+burst of changes costs one pass. Two replicas that know the same key both repair it; the
+shards they write are identical, so that costs bandwidth, never consistency.
+
+Limits: a key that no live replica stored or loaded recently is not repaired (its saver is
+gone); a store's own LRU may already have evicted a group before its repair.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from orchestrator.kv.saver import KnownKeys
+from orchestrator.kv.stats import KVStats
+
+log = logging.getLogger(__name__)
+
+
+class Repairer:
+    def __init__(self, pool, known: KnownKeys, stats: KVStats, *, batch_keys: int = 64,
+                 settle_s: float = 5.0, pause_s: float = 0.01):
+        self._pool, self._known, self._stats = pool, known, stats
+        self._batch_keys, self._settle_s, self._pause_s = batch_keys, settle_s, pause_s
+        self._due = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-repair", daemon=True)
+        self._thread.start()
+
+    def schedule(self) -> None:
+        """The stores changed: a repair pass starts `settle_s` from now (one for a burst)."""
+        self._due.set()
+
+    def _run(self) -> None:
+        while True:
+            self._due.wait()
+            if self._stop.wait(self._settle_s):
+                return
+            self._due.clear()  # a change during the pass schedules the next one
+            try:
+                self.repair_pass()
+            except Exception:  # never let a repair bug reach serving; the next change retries
+                log.exception("kv repair pass failed")
+
+    def repair_pass(self) -> dict[str, int]:
+        """Repair every known key once; what was done (also added to the stats)."""
+        done = {"groups_repaired": 0, "shards_repaired": 0, "groups_unrecoverable": 0, "repair_failures": 0}
+        keys = self._known.newest()
+        for start in range(0, len(keys), self._batch_keys):
+            if self._stop.is_set():
+                break
+            batch = keys[start:start + self._batch_keys]
+            try:
+                results = self._pool.repair_many(batch)
+            except Exception as err:  # a store outage: count it, go on with the next batch
+                done["repair_failures"] += len(batch)
+                log.warning("kv repair of %d groups failed: %s", len(batch), err)
+                continue
+            lost = [key for key, n in zip(batch, results, strict=True) if n is None]
+            self._known.discard(lost)  # nothing left to repair them from
+            done["groups_unrecoverable"] += len(lost)
+            done["groups_repaired"] += sum(1 for n in results if n)
+            done["shards_repaired"] += sum(n for n in results if n)
+            self._stop.wait(self._pause_s)  # leave the stores and the GIL to serving between batches
+        self._stats.add(repair_passes=1, **done)
+        if done["shards_repaired"] or done["groups_unrecoverable"]:
+            log.info("kv repair: %d shards of %d groups put back, %d groups unrecoverable (of %d known)",
+                     done["shards_repaired"], done["groups_repaired"], done["groups_unrecoverable"], len(keys))
+        return done
+
+    def close(self) -> None:
+        self._stop.set()
+        self._due.set()
+        self._thread.join(timeout=5)
