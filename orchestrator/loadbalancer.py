@@ -23,6 +23,7 @@ import logging
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -86,6 +87,9 @@ class MigrationResult:
     requests: int  # in flight on the replica when it was cut
     resumed: int  # of those, continued elsewhere (first token after the seam, or completed)
     failed: int  # ended with an error or did not resume within the timeout
+    # The X-Request-Id of each continuation sent for these requests (vLLM puts it into its own
+    # request id, so the replicas' KV records of the continuations can be told apart).
+    continuation_ids: tuple[str, ...] = ()
 
 
 class _ClientGone(Exception):
@@ -95,8 +99,8 @@ class _ClientGone(Exception):
 class _Handle:
     """One client request as migrate() and the disconnect watcher see it."""
 
-    __slots__ = ("client_gone", "continuable", "cut", "done", "gate", "replica", "resumed", "splice", "task",
-                 "waiting")
+    __slots__ = ("client_gone", "continuable", "cut", "done", "gate", "replica", "resumed", "seam_ids", "splice",
+                 "task", "waiting")
 
     def __init__(self, task: asyncio.Task):
         self.task = task
@@ -109,6 +113,7 @@ class _Handle:
         self.resumed: asyncio.Future | None = None
         self.gate: asyncio.Future | None = None  # a cut stream's continuation waits for it
         self.splice: Splice | None = None  # a continuable stream's tokens so far
+        self.seam_ids: list[str] = []  # X-Request-Id of each continuation request sent for it
 
     def absorb_cut(self) -> bool:
         """On CancelledError: True when migrate() cut this request (the task goes on), False
@@ -252,11 +257,13 @@ class LoadBalancer:
                 log.exception("migrate(%s): before_resume failed; continuing the streams anyway", replica_id)
             finally:
                 gate.set_result(None)
+        sent_before = [len(h.seam_ids) for h in handles]
         futures = [h.resumed for h in handles]
         if futures:
             await asyncio.wait(futures, timeout=resume_timeout)
         resumed = sum(1 for f in futures if f.done() and f.result())
-        return MigrationResult(replica_id, len(handles), resumed, len(handles) - resumed)
+        ids = tuple(sid for h, n in zip(handles, sent_before, strict=True) for sid in h.seam_ids[n:])
+        return MigrationResult(replica_id, len(handles), resumed, len(handles) - resumed, ids)
 
     # -- running it -----------------------------------------------------------------------------
     def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -573,6 +580,10 @@ class LoadBalancer:
                     return await self._refuse(send, handle, tries)
                 break
             replica = upstream.replica_id
+            sent_headers = headers
+            if splice.segments > 1:  # after a seam: vLLM takes the id into its own request id
+                handle.seam_ids.append(f"seam-{uuid.uuid4().hex}")
+                sent_headers = {**headers, "X-Request-Id": handle.seam_ids[-1]}
             if mode is not None:
                 self.metrics.migrations.labels(seam_reason, mode.value).inc()
                 self.metrics.migrated_tokens.inc(len(splice.generated))
@@ -584,7 +595,7 @@ class LoadBalancer:
             failure: str | None = None
             resp = None
             try:
-                resp = await _request(session, "POST", upstream.url + path, json.dumps(body).encode(), headers)
+                resp = await _request(session, "POST", upstream.url + path, json.dumps(body).encode(), sent_headers)
                 if resp.status != 200:
                     payload = await resp.read()
                     if not started:

@@ -20,16 +20,18 @@ At the deadline the instance dies; the controller observes it and marks it PREEM
 
 What the healthy replicas' connectors loaded and recomputed for the continuations goes to
 the service's load-balancer /metrics (spot_migration_*), next to the LB's own seam metrics.
+Each continuation carries an X-Request-Id from the LB that vLLM keeps in its request id, so
+the connectors' records of exactly those requests are summed, whatever else the replicas
+admitted meanwhile.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
+import re
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -48,6 +50,13 @@ RESUME_TIMEOUT_S = 300.0  # CPU replicas under load can take minutes to admit a 
 STATS_TIMEOUT_S = 5.0
 OUTCOME_WAIT_S = 30.0
 MIGRATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# The LB's continuation ids inside vLLM's request ids ("cmpl-seam-<hex>-0-<suffix>").
+_SEAM = re.compile(r"seam-[0-9a-f]{32}")
+
+
+def _seam_id(request_id: str) -> str | None:
+    found = _SEAM.search(request_id)
+    return found.group(0) if found else None
 
 
 class MigrationMetrics:
@@ -70,7 +79,7 @@ class MigrationMetrics:
 
 @dataclass(frozen=True)
 class KVOutcome:
-    """What the connectors admitted while a migration ran (the continuations, on a quiet service)."""
+    """What the connectors admitted for a migration's continuations."""
 
     requests: int = 0
     loaded_tokens: int = 0
@@ -196,19 +205,7 @@ class Migrator:
             return
         metrics = self.metrics(lb)
         victims = {r.replica_id for r, _n in batch}
-        peers = [r for r in self._peers(service) if r.replica_id not in victims]
-        # What the peers admitted before any continuation, asked in parallel with the cut and
-        # the flush, never before them: a busy replica can take seconds to answer, and every
-        # second spent here is one more the victims' streams run (or finish) unmigrated. The
-        # continuations wait for it (the LB's gate), so none is admitted before it is taken.
-        snapshot = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(peers)), thread_name_prefix="kv-stats")
-        asked = {r.replica_id: snapshot.submit(self._admitted, r) for r in peers}
-        snapshot.shutdown(wait=False)
-
-        def snapshot_taken() -> None:
-            concurrent.futures.wait(list(asked.values()))
-
-        started = [(replica, *self._start(lb, metrics, replica, notice, snapshot_taken)) for replica, notice in batch]
+        started = [(replica, *self._start(lb, metrics, replica, notice)) for replica, notice in batch]
         results = []
         for replica, future, lost, end_now in started:
             try:
@@ -225,12 +222,9 @@ class Migrator:
         for _r, _l, result in results:
             metrics.requests.labels("resumed").inc(result.resumed)
             metrics.requests.labels("failed").inc(result.failed)
-        snapshot_taken()
-        before = {rid: future.result() for rid, future in asked.items()}
-        moved = sum(result.requests for _r, _l, result in results)
-        resumed = sum(result.resumed for _r, _l, result in results)
-        known = [r for r in peers if before.get(r.replica_id) is not None]
-        outcome = self._kv_outcome(known, before, resumed) if moved and known else KVOutcome()
+        continuations = {sid for _r, _l, result in results for sid in result.continuation_ids}
+        peers = [r for r in self._peers(service) if r.replica_id not in victims]  # where they may have landed
+        outcome = self._kv_outcome(peers, continuations) if continuations and peers else KVOutcome()
         metrics.loaded_tokens.inc(outcome.loaded_tokens)
         metrics.recomputed_tokens.inc(outcome.recomputed_tokens)
         for replica, lost, result in results:
@@ -248,10 +242,8 @@ class Migrator:
                       "seconds": round(took, 3), "lost": lost, "batch": sorted(victims)},
             )
 
-    def _start(self, lb, metrics: MigrationMetrics, replica: ReplicaRow, notice: Notice,
-               before_continuing: Callable[[], None]):
-        """lb.migrate() for one replica: (its future, lost, the hook that ends it now or None).
-        `before_continuing` runs after the flush (or the end), before any stream continues."""
+    def _start(self, lb, metrics: MigrationMetrics, replica: ReplicaRow, notice: Notice):
+        """lb.migrate() for one replica: (its future, lost, the hook that ends it now or None)."""
         lost = notice.deadline <= time.time()
         metrics.notices.labels("lost" if lost else "drained").inc()
         ended = threading.Event()
@@ -268,11 +260,8 @@ class Migrator:
                 metrics.flushes.labels("skipped").inc()
                 threading.Thread(target=self._terminate, args=(replica,), daemon=True).start()
 
-        def before_resume() -> None:
-            (end_now if lost else flush)()
-            before_continuing()
-
-        future = lb.migrate(replica.replica_id, resume_timeout=RESUME_TIMEOUT_S, before_resume=before_resume)
+        future = lb.migrate(replica.replica_id, resume_timeout=RESUME_TIMEOUT_S,
+                            before_resume=end_now if lost else flush)
         return future, lost, end_now if lost else None
 
     def _terminate(self, replica: ReplicaRow) -> None:
@@ -302,28 +291,17 @@ class Migrator:
     def _stats(self, replica: ReplicaRow) -> dict | None:
         return connector_stats(self._http, replica.control_endpoint, self._kv_auth(replica.service))
 
-    def _admitted(self, replica: ReplicaRow) -> set[str] | None:
-        """The requests its connector has admitted so far; None when it does not answer."""
-        stats = self._stats(replica)
-        return None if stats is None else {rec["request_id"] for rec in stats.get("recent_requests", ())}
-
-    def _kv_outcome(self, peers: list[ReplicaRow], before: dict[str, set[str] | None],
-                    expected: int) -> KVOutcome:
-        """Sum the connectors' records of the requests admitted since the notice: the
-        continuations, and any new request admitted meanwhile (no id links a record to a
-        seam; on a busy service these numbers are an upper bound on the recompute). A busy
-        worker can be slow to answer: asked again until `expected` records are there."""
+    def _kv_outcome(self, peers: list[ReplicaRow], continuations: set[str]) -> KVOutcome:
+        """Sum the peers' connector records of these continuations (each record's request id
+        carries the X-Request-Id the LB gave the continuation). A busy worker can be slow to
+        answer, or to admit: asked again until every continuation has its record."""
         deadline = time.monotonic() + OUTCOME_WAIT_S
         while True:
-            records = []
-            for r in peers:
-                seen = before.get(r.replica_id)
-                if seen is None:  # unknown before the notice: its records cannot be told apart
-                    continue
-                stats = self._stats(r)
-                records += [rec for rec in (stats or {}).get("recent_requests", ()) if rec["request_id"] not in seen]
-            if len(records) >= expected or time.monotonic() > deadline:
-                break
+            answers = [stats for stats in map(self._stats, peers) if stats is not None]
+            records = [rec for stats in answers for rec in stats.get("recent_requests", ())
+                       if _seam_id(rec["request_id"]) in continuations]
+            if len(records) >= len(continuations) or not answers or time.monotonic() > deadline:
+                break  # (no answer at all: no connector on the peers, nothing to wait for)
             time.sleep(0.5)
         return KVOutcome(
             requests=len(records),

@@ -201,3 +201,14 @@ def test_the_cut_does_not_wait_for_a_busy_controller(daemon):
     assert preempted == [[victim]]
     assert {r["replica_id"]: r["state"] for r in service(client, "mig")["replicas"]}[victim] == "DRAINING"
     check_streams(chats.join(), reference)
+
+
+def test_a_continuations_kv_record_is_found_by_the_id_the_lb_gave_it():
+    """vLLM keeps the LB's X-Request-Id inside its own request id; other requests have none."""
+    from orchestrator.migration import _seam_id
+
+    seam = "seam-" + "0123456789abcdef" * 2
+    assert _seam_id(f"cmpl-{seam}-0-a17b2aa8") == seam
+    assert _seam_id(f"chatcmpl-{seam}") == seam
+    assert _seam_id("cmpl-940bebce834a91a4-0-a17b2aa8") is None
+    assert _seam_id("chatcmpl-seam-short-0-1") is None
