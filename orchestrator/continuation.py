@@ -39,12 +39,28 @@ from __future__ import annotations
 
 import enum
 import json
+import re
+import uuid
 from dataclasses import dataclass
 
 from orchestrator.lb_sse import DONE, sse_event
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+# A continuation request's X-Request-Id. vLLM builds its own request id around it
+# ("cmpl-seam-<hex>-0-<suffix>"), so the KV connector's record of that request can be found.
+SEAM_ID_HEADER = "X-Request-Id"
+_SEAM_ID = re.compile(r"seam-[0-9a-f]{32}")
+
+
+def new_seam_id() -> str:
+    return f"seam-{uuid.uuid4().hex}"
+
+
+def seam_id_in(request_id: str) -> str | None:
+    """The seam id a replica's request id carries, or None for a request that is no continuation."""
+    found = _SEAM_ID.search(request_id)
+    return found.group(0) if found else None
 
 
 class Mode(enum.Enum):

@@ -23,7 +23,6 @@ import logging
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -34,10 +33,12 @@ import uvicorn
 from orchestrator.continuation import (
     CHAT,
     COMPLETIONS,
+    SEAM_ID_HEADER,
     Mode,
     SeamMismatch,
     Splice,
     UpstreamStreamError,
+    new_seam_id,
     plan_stream,
 )
 from orchestrator.errors import UserError
@@ -582,8 +583,8 @@ class LoadBalancer:
             replica = upstream.replica_id
             sent_headers = headers
             if splice.segments > 1:  # after a seam: vLLM takes the id into its own request id
-                handle.seam_ids.append(f"seam-{uuid.uuid4().hex}")
-                sent_headers = {**headers, "X-Request-Id": handle.seam_ids[-1]}
+                handle.seam_ids.append(new_seam_id())
+                sent_headers = {**headers, SEAM_ID_HEADER: handle.seam_ids[-1]}
             if mode is not None:
                 self.metrics.migrations.labels(seam_reason, mode.value).inc()
                 self.metrics.migrated_tokens.inc(len(splice.generated))

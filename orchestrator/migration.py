@@ -28,7 +28,6 @@ admitted meanwhile.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 import weakref
@@ -38,6 +37,7 @@ import httpx
 from prometheus_client import Counter, Histogram
 
 from orchestrator import decisions
+from orchestrator.continuation import seam_id_in
 from orchestrator.errors import UserError
 from orchestrator.replica import ReplicaState, is_alive
 from orchestrator.state import ReplicaRow
@@ -50,13 +50,6 @@ RESUME_TIMEOUT_S = 300.0  # CPU replicas under load can take minutes to admit a 
 STATS_TIMEOUT_S = 5.0
 OUTCOME_WAIT_S = 30.0
 MIGRATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-# The LB's continuation ids inside vLLM's request ids ("cmpl-seam-<hex>-0-<suffix>").
-_SEAM = re.compile(r"seam-[0-9a-f]{32}")
-
-
-def _seam_id(request_id: str) -> str | None:
-    found = _SEAM.search(request_id)
-    return found.group(0) if found else None
 
 
 class MigrationMetrics:
@@ -299,7 +292,7 @@ class Migrator:
         while True:
             answers = [stats for stats in map(self._stats, peers) if stats is not None]
             records = [rec for stats in answers for rec in stats.get("recent_requests", ())
-                       if _seam_id(rec["request_id"]) in continuations]
+                       if seam_id_in(rec["request_id"]) in continuations]
             if len(records) >= len(continuations) or not answers or time.monotonic() > deadline:
                 break  # (no answer at all: no connector on the peers, nothing to wait for)
             time.sleep(0.5)

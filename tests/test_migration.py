@@ -205,10 +205,10 @@ def test_the_cut_does_not_wait_for_a_busy_controller(daemon):
 
 def test_a_continuations_kv_record_is_found_by_the_id_the_lb_gave_it():
     """vLLM keeps the LB's X-Request-Id inside its own request id; other requests have none."""
-    from orchestrator.migration import _seam_id
+    from orchestrator.continuation import new_seam_id, seam_id_in
 
-    seam = "seam-" + "0123456789abcdef" * 2
-    assert _seam_id(f"cmpl-{seam}-0-a17b2aa8") == seam
-    assert _seam_id(f"chatcmpl-{seam}") == seam
-    assert _seam_id("cmpl-940bebce834a91a4-0-a17b2aa8") is None
-    assert _seam_id("chatcmpl-seam-short-0-1") is None
+    seam = new_seam_id()
+    assert seam_id_in(f"cmpl-{seam}-0-a17b2aa8") == seam
+    assert seam_id_in(f"chatcmpl-{seam}") == seam
+    assert seam_id_in("cmpl-940bebce834a91a4-0-a17b2aa8") is None
+    assert seam_id_in("chatcmpl-seam-short-0-1") is None
