@@ -104,7 +104,8 @@ def test_migrate_continues_a_chat_stream_exactly(replicas, lb, sampling, monkeyp
         fired = at_token(monkeypatch, CUT_AT, cut)
         reader = Reader(lb.url, "/v1/chat/completions", body)
         reader.join(timeout=600)
-        assert fired.is_set()
+        assert fired.is_set(), (f"the stream never had {CUT_AT} tokens through the LB: "
+                                f"{reader.error!r}, {len(reader.chunks)} chunks")
         result = migrations[0].result(timeout=120)
         if result.requests:  # else the LB had the whole stream before the cut could run: again
             break
