@@ -63,7 +63,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 SPEC = """
 name: mig
 service:
-  readiness_probe: {{path: /health, initial_delay_seconds: 1200}}
+  # A victim held (SIGSTOP) while the test waits for a second one fails its probes: long
+  # enough, and the controller would tear it down as failed before the notice.
+  readiness_probe: {{path: /health, initial_delay_seconds: 1200, consecutive_failure_threshold_timeout: 1200}}
   replicas: {replicas}
   placement_policy: even_spread
 resources:
