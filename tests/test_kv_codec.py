@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.kv import isal
-from orchestrator.kv.codec import HEADER_SIZE, Codec, TooManyErasures
+from orchestrator.kv.codec import HEADER_SIZE, Codec, TooManyErasures, aligned_empty
 
 _codecs: dict[tuple[int, int], Codec] = {}
 
@@ -136,6 +136,21 @@ def test_large_payload_round_trip():
     payload = os.urandom((3 << 20) + 17)
     frames = c.encode(payload)
     assert c.decode([None, None, None, None, *frames[4:]]) == payload
+
+
+@pytest.mark.parametrize("k,m,n", [(4, 2, 1), (4, 2, 100_003), (8, 4, 65_536), (3, 5, 7_777)])
+def test_every_shards_data_starts_32_byte_aligned(k, m, n):
+    # The AVX2 kernels lose about a quarter of their speed on loads split across cache lines.
+    codec = Codec(k, m)
+    for frame in codec.encode(np.arange(n, dtype=np.uint8)):
+        assert codec.parse(frame).address % 32 == 0
+
+
+def test_aligned_empty_starts_on_the_boundary_and_has_the_length():
+    for nbytes in (1, 64, 4097):
+        for align in (32, 64, 4096):
+            buf = aligned_empty(nbytes, align)
+            assert buf.ctypes.data % align == 0 and buf.nbytes == nbytes and buf.dtype == np.uint8
 
 
 def test_crc_matches_zlib():

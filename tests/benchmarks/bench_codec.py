@@ -5,7 +5,8 @@ Measured path (the `*_ratio` keys): the raw ISA-L kernel into preallocated buffe
 codec.encode/decode run on, without their buffer allocation and CRC): encode = the m parity
 shards computed from the k data shards in place; decode = the lost data shards (2 for k4m2,
 4 for k8m4) rebuilt from k survivors.
-GB/s counts payload bytes (64 MiB) per second, as memcpy does.
+GB/s counts payload bytes (64 MiB) per second, as memcpy does. All buffers, memcpy's
+too, start on a cache line (codec.aligned_empty, which codec.encode's frames use as well).
 The framed path (`framed_*` keys: copy into fresh shard buffers + a CRC-32 per shard on
 encode; CRC check + reassembly into one contiguous payload on decode) is reported beside
 it, as is the CRC alone, so the cost of each layer is visible.
@@ -22,7 +23,7 @@ import time
 import numpy as np
 
 from orchestrator.kv import isal
-from orchestrator.kv.codec import Codec
+from orchestrator.kv.codec import Codec, aligned_empty
 
 
 def best_pair(baseline, fn, repeats: int) -> tuple[float, float]:
@@ -46,10 +47,10 @@ def measure_code(codec: Codec, payload: np.ndarray, memcpy, repeats: int) -> dic
     k, m, size = codec.k, codec.m, payload.size
     shard = size // k
     data = list(payload.reshape(k, shard))
-    parity = list(np.empty((m, shard), dtype=np.uint8))
+    parity = list(aligned_empty(m * shard).reshape(m, shard))
     lost = list(range(m))  # m data shards lost, rebuilt from the rest + all parity
     survivors = {i: data[i] for i in range(m, k)} | {k + j: parity[j] for j in range(m)}
-    rebuilt = list(np.empty((m, shard), dtype=np.uint8))
+    rebuilt = list(aligned_empty(m * shard).reshape(m, shard))
     kept = codec.encode(payload)[m:]  # the framed decode gets the same erasure pattern
     runs = {
         "encode": (lambda: codec.encode_parity_into(data, parity), repeats),
@@ -70,8 +71,11 @@ def measure_code(codec: Codec, payload: np.ndarray, memcpy, repeats: int) -> dic
 def main() -> None:
     size = int(os.environ.get("BENCH_CODEC_MIB", "64")) << 20
     repeats = int(os.environ.get("BENCH_CODEC_REPEATS", "7"))
-    payload = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
-    copy_target = np.empty_like(payload)
+    # Cache-line aligned, as codec.encode's frames are (see aligned_empty: numpy's own
+    # buffers would put every shard 16 bytes off and split the kernel's loads).
+    payload = aligned_empty(size)
+    payload[:] = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    copy_target = aligned_empty(size)
 
     def memcpy() -> None:
         np.copyto(copy_target, payload)
