@@ -106,6 +106,17 @@ def test_two_encodings_of_one_payload_are_one_stripe():
     assert [bytes(f) for f in c.encode(payload, stripe=old)] == a
 
 
+def test_a_header_alone_identifies_its_shard():
+    c, payload = codec(4, 2), os.urandom(10_000)
+    frames = c.encode(payload)
+    ids = [c.identify(bytes(f[:HEADER_SIZE])) for f in frames]
+    assert [i.index for i in ids] == list(range(6)) and {(i.stripe, i.payload_len) for i in ids} == {
+        (c.parse(frames[0]).stripe, len(payload))}
+    assert c.identify(bytes(frames[0][:HEADER_SIZE - 1])) is None  # short
+    assert codec(8, 4).identify(bytes(frames[0][:HEADER_SIZE])) is None  # another code
+    assert c.identify(b"x" * HEADER_SIZE) is None
+
+
 def test_shards_of_another_code_are_erasures():
     frames = codec(4, 2).encode(b"payload" * 100)
     assert codec(3, 3).parse(frames[0]) is None

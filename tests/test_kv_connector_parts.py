@@ -38,6 +38,9 @@ def test_settings_accept_a_launcher_config(tmp_path):
     own = parse_settings({"secret": SECRET, "node_id": "r1", "self_endpoint": "http://127.0.0.1:5",
                           "cloud": "local", "region": "r1", "zone": "z2"})
     assert own.self_store == StoreNode("r1", "http://127.0.0.1:5", "local", "r1", "z2")
+    assert own.repair_bytes_per_s == 200e6  # the default limit
+    unlimited = parse_settings({"stores": [STORE], "secret": SECRET, "repair_mb_per_s": 0})
+    assert unlimited.repair_bytes_per_s is None
     config = transfer_config({"secret": SECRET})
     assert config["kv_connector"] == "SpotKVConnector"
     assert config["kv_connector_module_path"] == "orchestrator.kv.connector"
@@ -49,6 +52,7 @@ def test_settings_accept_a_launcher_config(tmp_path):
     ({"stores": [STORE], "secret": SECRET, "control_port": "{control_port}"}, "control_port"),
     ({"stores": [STORE], "secret": SECRET, "k": 0}, "k"),
     ({"secret": SECRET}, "no shard stores"),
+    ({"stores": [STORE], "secret": SECRET, "repair_mb_per_s": -1}, "repair_mb_per_s"),
     ({"secret": SECRET, "node_id": "r1"}, "self_endpoint"),
     ({"stores": [{**STORE, "endpoint": "ftp://x"}], "secret": SECRET}, "endpoint"),
     ({"stores": [STORE], "secret_file": "/nonexistent/secret"}, "secret_file"),

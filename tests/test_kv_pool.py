@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from orchestrator.kv.codec import HEADER_SIZE
+from orchestrator.kv.codec import HEADER_SIZE, Codec
 from orchestrator.kv.placement import StoreNode, parse_nodes
-from orchestrator.kv.pool import ErasureCodedPool, InsufficientShardsStored, shard_key
+from orchestrator.kv.pool import ErasureCodedPool, InsufficientShardsStored, Repaired, shard_key
 from orchestrator.kv.store import StoreClient
 from orchestrator.kv.repair import Repairer
 from orchestrator.kv.saver import KnownKeys
@@ -178,14 +178,34 @@ def zone_a_replaced(cluster, tmp_path):
 def test_repair_puts_back_what_a_lost_zone_took_so_a_second_zone_loss_is_survived(zone_a_replaced):
     pool, procs, data = zone_a_replaced
     keys = list(data)
-    repaired = pool.repair_many([*keys, "never-stored"])
+    repaired = pool.repair_many([*keys, "never-stored"]).shards
     assert all(n >= 2 for n in repaired[:-1]) and repaired[-1] is None, repaired
     assert all(_whole_at_holders(pool, key) for key in keys)
-    assert pool.repair_many(keys) == [0] * len(keys)  # whole now: nothing moves
+    assert pool.repair_many(keys) == ([0] * len(keys), 0)  # whole now: nothing moves
     # Zone b goes too. Unrepaired, each group would be down to zone c's 2 shards.
     for node_id in ("zone-b-0", "zone-b-1"):
         procs[node_id].kill()
     assert pool.get_many(keys) == list(data.values())
+
+
+def test_repair_overwrites_the_shards_of_another_encoding_of_the_key(cluster):
+    # Two replicas wrote different payloads of one key at once: its holders have 4 shards of
+    # one encoding and 2 of the other. It reads fine, but one more loss would be a miss.
+    pool, procs, _ = cluster
+    key, kept, other = "raced", os.urandom(30_000), os.urandom(30_000)
+    pool.put(key, kept)
+    holders = pool.holders(key)
+    for index, frame in list(enumerate(Codec(4, 2).encode(other)))[:2]:
+        client = StoreClient(holders[index].endpoint, SECRET)
+        assert client.put(shard_key(key, index), frame)
+        client.close()
+    assert pool.has(key) and pool.get(key) == kept
+    first = pool.repair_many([key])
+    assert first.shards == [2] and first.bytes_moved >= 6 * 7_500  # read 4 (or more), wrote 2
+    assert pool.repair_many([key]) == ([0], 0)
+    for node in holders[2:4]:  # two of the shards that were right all along
+        procs[node.node_id].kill()
+    assert pool.get(key) == kept  # unrepaired: 2 + 2 shards of two encodings, a miss
 
 
 def test_the_repairer_walks_the_known_keys_after_a_change(zone_a_replaced):
@@ -202,3 +222,43 @@ def test_the_repairer_walks_the_known_keys_after_a_change(zone_a_replaced):
     assert snapshot["groups_unrecoverable"] == 1 and snapshot["repair_failures"] == 0
     assert "never-stored" not in known and all(key in known for key in data)  # a lost one may be pushed again
     assert all(_whole_at_holders(pool, key) for key in data)
+
+
+class _FakeStop:
+    """The Repairer's stop event, on a fake clock: a wait advances the clock instead of sleeping."""
+
+    def __init__(self, clock: list[float]):
+        self.clock, self.waited = clock, 0.0
+
+    def wait(self, seconds: float) -> bool:
+        self.clock[0] += seconds
+        self.waited += seconds
+        return False
+
+    def is_set(self) -> bool:
+        return False
+
+
+class _PoolMoving:
+    """Each repair_many call moves `per_batch` bytes (the rate limit's only input)."""
+
+    def __init__(self, per_batch: int):
+        self.per_batch = per_batch
+
+    def repair_many(self, keys):
+        return Repaired([1] * len(keys), self.per_batch)
+
+
+@pytest.mark.parametrize("limit, least_wait", [(None, 0.0), (10e6, 10 * 5e6 / 10e6)])
+def test_a_repair_pass_keeps_to_its_byte_rate_limit(limit, least_wait):
+    clock = [100.0]
+    known, stats = KnownKeys(), KVStats()
+    known.add([f"key-{i}" for i in range(40)])
+    repairer = Repairer(_PoolMoving(5_000_000), known, stats, batch_keys=4, pause_s=0.0,
+                        max_bytes_per_s=limit, clock=lambda: clock[0])
+    repairer.close()  # the background thread: this test runs the pass itself
+    repairer._stop = stop = _FakeStop(clock)
+    done = repairer.repair_pass()
+    assert done["repair_bytes"] == 10 * 5_000_000 and done["shards_repaired"] == 40
+    assert stop.waited == pytest.approx(least_wait)  # 50 MB at 10 MB/s: 5 s in all
+    assert stats.snapshot()["repair_bytes"] == 50_000_000

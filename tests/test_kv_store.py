@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from orchestrator.kv.wire import HEAD_BYTES
 from orchestrator.kv.store import ShardMemory, StoreClient, StoreUnavailable, gather_until
 from tests.kv_stores import SECRET, StoreProcess, agent_python, rss_bytes, secret_file
 
@@ -132,6 +133,18 @@ def test_shards_expire_after_their_ttl(tmp_path):
     finally:
         c.close()
         store.kill()
+
+
+def test_head_returns_each_values_first_bytes_without_refreshing_it(client):
+    long, short = os.urandom(5000), b"tiny"
+    assert client.put_many([("long", long), ("short", short)]) == [True, True]
+    heads = client.head_many(["long", "absent", "short"])
+    assert bytes(heads[0]) == long[:HEAD_BYTES] and heads[1] is None and bytes(heads[2]) == short
+    now = [0.0]
+    mem = ShardMemory(max_bytes=20, ttl_s=10, clock=lambda: now[0])
+    assert mem.put("a", b"x" * 9) and mem.put("b", b"x" * 9)
+    assert mem.peek("a") == b"x" * 9  # not a touch: a stays the least recently used
+    assert mem.put("c", b"x" * 9) and not mem.has("a") and mem.has("b")
 
 
 def test_memory_lru_and_ttl_accounting():

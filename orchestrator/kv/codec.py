@@ -44,6 +44,14 @@ class TooManyErasures(Exception):
     """Fewer than k valid shards: the payload cannot be recovered."""
 
 
+class ShardId(NamedTuple):
+    """What a shard's header says it is: its place in the group and its encoding."""
+
+    index: int
+    stripe: int
+    payload_len: int
+
+
 class Shard(NamedTuple):
     """A framed shard whose header and CRC checked out."""
 
@@ -208,17 +216,27 @@ class Codec:
             _U32.pack_into(flat, offset + 4, crc(0, base + offset + _CRC_FROM, stride - _CRC_FROM))
         return [flat[i * stride:(i + 1) * stride] for i in range(k + m)]
 
+    def identify(self, head: Buffer) -> ShardId | None:
+        """Which shard a frame claims to be, from its first HEADER_SIZE bytes alone (as a
+        store's `head` returns them); None for a foreign or malformed header. Unverified: the
+        CRC needs the data, so a corrupt shard with an intact header passes here."""
+        view = memoryview(head).cast("B")
+        if len(view) < HEADER_SIZE:
+            return None
+        magic, _, version, index, k, m, n, size, stripe, _ = HEADER.unpack_from(view)
+        if (magic, version, k, m) != (MAGIC, VERSION, self.k, self.m) or index >= k + m or size != self.shard_len(n):
+            return None
+        return ShardId(index, stripe, n)
+
     def parse(self, frame: Buffer) -> Shard | None:
         """The header and data of a valid shard of this code; None for a corrupt, truncated or
         foreign one (wrong code, wrong version)."""
         view = memoryview(frame).cast("B")
-        if len(view) < HEADER_SIZE:
+        claimed = self.identify(view)
+        if claimed is None or len(view) != HEADER_SIZE + self.shard_len(claimed.payload_len):
             return None
-        magic, crc, version, index, k, m, n, size, stripe, _ = HEADER.unpack_from(view)
-        if (magic, version, k, m) != (MAGIC, VERSION, self.k, self.m) or index >= k + m:
-            return None
-        if len(view) != HEADER_SIZE + size or size != self.shard_len(n):
-            return None
+        crc = _U32.unpack_from(view, 4)[0]
+        index, stripe, n = claimed
         base = np.frombuffer(view, dtype=np.uint8).ctypes.data
         if self._crc(0, base + _CRC_FROM, len(view) - _CRC_FROM) != crc:
             return None

@@ -150,7 +150,8 @@ class SpotKVConnector(KVConnectorBase_V1):
             stats = KVStats()
             self._saver = BlockSaver(self._pool, stats, max_pending_bytes=settings.max_pending_bytes,
                                      batch_blocks=settings.push_batch_blocks)
-            self._repairer = Repairer(self._pool, self._saver.known, stats)
+            self._repairer = Repairer(self._pool, self._saver.known, stats,
+                                      max_bytes_per_s=settings.repair_bytes_per_s)
             self._transfers = WorkerTransfers(self._pool, self._saver, stats, layer_names=list(group.layer_names),
                                               num_blocks=kv_cache_config.num_blocks, block_size=self._block_size)
             if settings.control_port is not None:

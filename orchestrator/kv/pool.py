@@ -38,6 +38,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 from orchestrator.kv.codec import Codec, Shard, TooManyErasures
 from orchestrator.kv.placement import Placement, StoreNode
@@ -48,6 +49,13 @@ log = logging.getLogger(__name__)
 PUT_REQUEST_BYTES = 32 << 20  # split one store's share of a put_many into bodies of about this size
 GET_REQUEST_KEYS = 128  # and a get_many/has_many into requests of at most this many shards
 PLACEMENT_HISTORY = 2  # previous memberships whose holders reads still ask
+
+
+class Repaired(NamedTuple):
+    """What one repair_many call did."""
+
+    shards: list[int | None]  # per key: shards put back; None: unrecoverable
+    bytes_moved: int  # shard bytes read from and written to the stores
 
 
 class InsufficientShardsStored(Exception):
@@ -178,9 +186,8 @@ class ErasureCodedPool:
         """Whether >= k shards of each key are present (no shard data moves)."""
         return [len(found) >= self.k for found in self._present(keys, enough=self.k)]
 
-    def _present(self, keys: Sequence[str], enough: int, current_only: bool = False) -> list[set[int]]:
-        """The shard indices of each key that some holder has (only its holder under the
-        current membership with `current_only`); a key's count stops at `enough`."""
+    def _present(self, keys: Sequence[str], enough: int) -> list[set[int]]:
+        """The shard indices of each key that some holder has; a key's count stops at `enough`."""
         present: list[set[int]] = [set() for _ in keys]
         remaining = [len(keys)]
 
@@ -191,38 +198,58 @@ class ErasureCodedPool:
                     remaining[0] -= len(present[item]) == enough
             return remaining[0] == 0
 
-        calls = self._key_calls(keys, "has_many", current_only=current_only)
-        gather_until(self._executor, calls, count, self._deadline())
+        gather_until(self._executor, self._key_calls(keys, "has_many"), count, self._deadline())
         return present
+
+    def _held_encodings(self, keys: Sequence[str]) -> list[dict[int, tuple[int, int]]]:
+        """Per key, {shard index: (stripe, payload length)} of the shards its holders under the
+        current membership have, read from their headers (no shard data moves)."""
+        held: list[dict[int, tuple[int, int]]] = [{} for _ in keys]
+
+        def note(items_and_heads: tuple[list[tuple[int, int]], list[memoryview | None]]) -> bool:
+            for (item, index), head in zip(*items_and_heads, strict=True):
+                claimed = None if head is None else self._codec.identify(head)
+                if claimed is not None and claimed.index == index:
+                    held[item][index] = (claimed.stripe, claimed.payload_len)
+            return False
+
+        gather_until(self._executor, self._key_calls(keys, "head_many", current_only=True), note, self._deadline())
+        return held
 
     # -- repair --------------------------------------------------------------------------
 
-    def repair_many(self, keys: Sequence[str]) -> list[int | None]:
+    def repair_many(self, keys: Sequence[str]) -> Repaired:
         """Put back the shards of these groups that their holders under the current
         membership lack (a store that left took them, or a new store took over their place).
         Per key: how many shards were put back (0: the group was whole), or None when fewer
-        than k valid shards of one encoding were found anywhere (it is a cache miss now).
+        than k valid shards of one encoding were found anywhere (it is a cache miss now);
+        and the bytes it read and sent doing so (what a repair rate limit counts).
 
         The missing shards are re-encoded from the decoded payload with the group's own stripe
-        id: byte for byte the shards that were lost, so they join the ones still stored. (A
-        holder's shard is taken as present without reading it; one of another encoding of the
-        key, from two replicas writing it at once, is not told apart.)"""
+        id: byte for byte the shards that were lost, so they join the ones still stored. A
+        holder's shard of another encoding of the key (two replicas wrote different payloads
+        of it at once) counts as missing and is overwritten: the headers tell encodings apart.
+        (A shard whose data is corrupt under an intact header is not: reads treat it as an
+        erasure, repair does not read data to find it.)"""
         keys = list(dict.fromkeys(keys))
         placement, clients = self._view[0][0], self._view[1]
-        whole = self.k + self.m
-        present = self._present(keys, enough=whole, current_only=True)
+        held = self._held_encodings(keys)
         out: list[int | None] = [0] * len(keys)
-        broken = [item for item, found in enumerate(present) if len(found) < whole]
+        broken = [item for item, found in enumerate(held)
+                  if len(found) < self.k + self.m or len(set(found.values())) > 1]
         per_node: dict[str, list[tuple[int, str, memoryview]]] = defaultdict(list)
+        moved = 0
         for item, shards in zip(broken, self._gather([keys[i] for i in broken]), strict=True):
+            moved += sum(len(shard.frame) for shard in shards)
             encoding = self._codec.best_stripe(shards)
             if len(encoding) < self.k:
                 out[item] = None
                 continue
+            first = next(iter(encoding.values()))
             payload = self._codec.assemble(list(encoding.values()))
-            frames = self._codec.encode(payload, stripe=next(iter(encoding.values())).stripe)
+            frames = self._codec.encode(payload, stripe=first.stripe)
             for index, node in enumerate(placement.holders(keys[item])):
-                if index not in present[item] and node.node_id in clients:
+                if held[item].get(index) != (first.stripe, first.payload_len) and node.node_id in clients:
                     per_node[node.node_id].append((item, shard_key(keys[item], index), frames[index]))
 
         def count(items_and_flags: tuple[list[int], list[bool]]) -> bool:
@@ -233,7 +260,8 @@ class ErasureCodedPool:
         calls = [_call(clients[node_id].put_many, chunk) for node_id, shards in per_node.items()
                  for chunk in _chunks_by_bytes(shards, PUT_REQUEST_BYTES)]
         gather_until(self._executor, calls, count, self._deadline())
-        return out
+        moved += sum(len(frame) for shards in per_node.values() for _, _, frame in shards)
+        return Repaired(out, moved)
 
     def _key_calls(self, keys: Sequence[str], operation: str, current_only: bool = False) -> list[Callable]:
         """One call of StoreClient.<operation> per holder (and per GET_REQUEST_KEYS shards)

@@ -14,6 +14,11 @@ recently (orchestrator.kv.saver.KnownKeys), newest first, in batches
 burst of changes costs one pass. Two replicas that know the same key both repair it; the
 shards they write are identical, so that costs bandwidth, never consistency.
 
+A pass moves at most `max_bytes_per_s` of shard bytes (read and written) on average, so
+that after a zone loss it does not take the replica's network and cores from serving; it
+restores the margin over seconds to minutes, well inside the time to the next correlated
+loss the traces show.
+
 Limits: a key that no live replica stored or loaded recently is not repaired (its saver is
 gone); a store's own LRU may already have evicted a group before its repair.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from orchestrator.kv.saver import KnownKeys
 from orchestrator.kv.stats import KVStats
@@ -31,9 +37,13 @@ log = logging.getLogger(__name__)
 
 class Repairer:
     def __init__(self, pool, known: KnownKeys, stats: KVStats, *, batch_keys: int = 64,
-                 settle_s: float = 5.0, pause_s: float = 0.01):
+                 settle_s: float = 5.0, pause_s: float = 0.01, max_bytes_per_s: float | None = None,
+                 clock=time.monotonic):
+        if max_bytes_per_s is not None and max_bytes_per_s <= 0:
+            raise ValueError(f"max_bytes_per_s must be positive or None, got {max_bytes_per_s}")
         self._pool, self._known, self._stats = pool, known, stats
         self._batch_keys, self._settle_s, self._pause_s = batch_keys, settle_s, pause_s
+        self._max_bytes_per_s, self._clock = max_bytes_per_s, clock
         self._due = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-repair", daemon=True)
@@ -56,29 +66,39 @@ class Repairer:
 
     def repair_pass(self) -> dict[str, int]:
         """Repair every known key once; what was done (also added to the stats)."""
-        done = {"groups_repaired": 0, "shards_repaired": 0, "groups_unrecoverable": 0, "repair_failures": 0}
+        done = {"groups_repaired": 0, "shards_repaired": 0, "groups_unrecoverable": 0, "repair_failures": 0,
+                "repair_bytes": 0}
         keys = self._known.newest()
+        started = self._clock()
         for start in range(0, len(keys), self._batch_keys):
             if self._stop.is_set():
                 break
             batch = keys[start:start + self._batch_keys]
             try:
-                results = self._pool.repair_many(batch)
+                results, moved = self._pool.repair_many(batch)
             except Exception as err:  # a store outage: count it, go on with the next batch
                 done["repair_failures"] += len(batch)
                 log.warning("kv repair of %d groups failed: %s", len(batch), err)
                 continue
+            done["repair_bytes"] += moved
             lost = [key for key, n in zip(batch, results, strict=True) if n is None]
             self._known.discard(lost)  # nothing left to repair them from
             done["groups_unrecoverable"] += len(lost)
             done["groups_repaired"] += sum(1 for n in results if n)
             done["shards_repaired"] += sum(n for n in results if n)
-            self._stop.wait(self._pause_s)  # leave the stores and the GIL to serving between batches
+            self._stop.wait(self._pause_s + self._behind_limit_s(started, done["repair_bytes"]))
         self._stats.add(repair_passes=1, **done)
         if done["shards_repaired"] or done["groups_unrecoverable"]:
             log.info("kv repair: %d shards of %d groups put back, %d groups unrecoverable (of %d known)",
                      done["shards_repaired"], done["groups_repaired"], done["groups_unrecoverable"], len(keys))
         return done
+
+    def _behind_limit_s(self, started: float, moved: int) -> float:
+        """How long to wait so that the pass so far averages at most the byte rate limit.
+        (The short pause on top leaves the stores and the GIL to serving between batches.)"""
+        if self._max_bytes_per_s is None:
+            return 0.0
+        return max(0.0, started + moved / self._max_bytes_per_s - self._clock())
 
     def close(self) -> None:
         self._stop.set()

@@ -14,7 +14,9 @@
       "control_host": "127.0.0.1",
       "model_id": "...",              names the model in pool keys (default: from vLLM's config)
       "max_pending_mb": 256,          save queue bound; beyond it new blocks are dropped
-      "push_batch_blocks": 64         blocks per put_many
+      "push_batch_blocks": 64,        blocks per put_many
+      "repair_mb_per_s": 200          shard bytes a repair pass may move per second (read +
+                                      written); 0: no limit
     }
 
 Bad input raises UserError naming the field, so a replica fails at start with one line.
@@ -35,7 +37,8 @@ CONNECTOR_MODULE = "orchestrator.kv.connector"
 
 _SELF_FIELDS = ("node_id", "self_endpoint", "cloud", "region", "zone")
 _FIELDS = {"stores", "membership_url", "membership_poll_s", *_SELF_FIELDS, "secret", "secret_file", "k", "m",
-           "timeout_s", "control_port", "control_host", "model_id", "max_pending_mb", "push_batch_blocks"}
+           "timeout_s", "control_port", "control_host", "model_id", "max_pending_mb", "push_batch_blocks",
+           "repair_mb_per_s"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class ConnectorSettings:
     model_id: str | None = None
     max_pending_bytes: int = 256 << 20
     push_batch_blocks: int = 64
+    repair_bytes_per_s: float | None = 200e6  # None: no limit
 
 
 def transfer_config(extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -144,6 +148,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         model_id=model_id,
         max_pending_bytes=int(_number(extra, "max_pending_mb", 256, float, 1) * (1 << 20)),
         push_batch_blocks=_number(extra, "push_batch_blocks", 64, int, 1),
+        repair_bytes_per_s=_number(extra, "repair_mb_per_s", 200, float, 0) * 1e6 or None,
     )
     if settings.control_port is not None and settings.control_port > 65535:
         raise UserError(f"kv_connector_extra_config.control_port: not a port: {settings.control_port}")

@@ -25,6 +25,7 @@ class KVStats:
         "blocks_loaded", "bytes_loaded", "blocks_load_failed", "tokens_loaded", "tokens_recomputed",
         "requests", "requests_hit", "flushes",
         "repair_passes", "groups_repaired", "shards_repaired", "groups_unrecoverable", "repair_failures",
+        "repair_bytes",
     )
 
     def __init__(self, recent: int = 256):

@@ -7,7 +7,9 @@ uvicorn/FastAPI: bodies land in their final buffer with one copy). The routes ar
     GET    /v1/shards/{key}     200 shard | 404
     HEAD   /v1/shards/{key}     200 | 404
     DELETE /v1/shards/{key}     204 | 404
-    POST   /v1/batch/{put,get,has,delete}   bodies: orchestrator/kv/wire.py
+    POST   /v1/batch/{put,get,head,has,delete}   bodies: orchestrator/kv/wire.py
+                                        (head: each value's first wire.HEAD_BYTES, as `has`
+                                        does not refresh its place in the LRU)
     GET    /metrics             Prometheus text
     GET    /healthz             "ok"
 
@@ -109,8 +111,13 @@ class ShardMemory:
         return entry[0]
 
     def has(self, key: str) -> bool:
+        return self.peek(key) is not None
+
+    def peek(self, key: str) -> bytes | None:
+        """The value without touching it (its LRU place and TTL stay as they were)."""
         self._expire(self._clock())
-        return key in self._items
+        entry = self._items.get(key)
+        return None if entry is None else entry[0]
 
     def delete(self, key: str) -> bool:
         return self._drop(key)
@@ -225,6 +232,9 @@ class StoreHandler:
             return Response(200, [wire.encode_flags([mem.put(k, bytes(v)) for k, v in wire.decode_items(body)])])
         if op == "get":
             return Response(200, wire.encode_values([mem.get(key) for key in wire.decode_keys(body)]))
+        if op == "head":
+            heads = (mem.peek(key) for key in wire.decode_keys(body))
+            return Response(200, wire.encode_values([None if v is None else v[:wire.HEAD_BYTES] for v in heads]))
         if op in ("has", "delete"):
             act = mem.has if op == "has" else mem.delete
             return Response(200, [wire.encode_flags([act(key) for key in wire.decode_keys(body)])])
@@ -299,9 +309,16 @@ class StoreClient:
         return self._flags(response, len(items))
 
     def get_many(self, keys: Sequence[str]) -> list[memoryview | None]:
+        return self._values("get", keys)
+
+    def head_many(self, keys: Sequence[str]) -> list[memoryview | None]:
+        """The first wire.HEAD_BYTES of each value (None: absent), without refreshing them."""
+        return self._values("head", keys)
+
+    def _values(self, op: str, keys: Sequence[str]) -> list[memoryview | None]:
         if not keys:
             return []
-        response = self._call("POST", BATCH + "get", wire.encode_keys(keys))
+        response = self._call("POST", BATCH + op, wire.encode_keys(keys))
         try:
             return wire.decode_values(response.content, len(keys))
         except wire.WireError as err:

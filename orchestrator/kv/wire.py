@@ -3,9 +3,10 @@
 Raw length-prefixed records, not JSON: shards are large opaque bytes, and base64 or
 multipart would cost a copy and a parse per shard. Little endian throughout.
 
-    keys    (get/has/delete requests): repeated  u16 key length, key (UTF-8)
+    keys    (get/head/has/delete requests): repeated  u16 key length, key (UTF-8)
     items   (put request):             repeated  u16 key length, key, u32 value length, value
-    values  (get response):            repeated  u32 value length (0xFFFFFFFF: absent), value
+    values  (get/head response):       repeated  u32 value length (0xFFFFFFFF: absent), value
+                                       (head: only the first HEAD_BYTES of each value)
     flags   (put/has/delete response): one byte per key, 1 = stored / present / deleted
 """
 
@@ -15,6 +16,7 @@ import struct
 from collections.abc import Iterable, Sequence
 
 MAX_KEY_BYTES = 1024
+HEAD_BYTES = 64  # what `head` returns of each value: enough for any shard header
 ABSENT = 0xFFFFFFFF
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
