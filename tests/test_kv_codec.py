@@ -149,12 +149,24 @@ def test_large_payload_round_trip():
     assert c.decode([None, None, None, None, *frames[4:]]) == payload
 
 
-@pytest.mark.parametrize("k,m,n", [(4, 2, 1), (4, 2, 100_003), (8, 4, 65_536), (3, 5, 7_777)])
+@pytest.mark.parametrize("k,m,n", [(4, 2, 1), (4, 2, 100_003), (8, 4, 65_536), (3, 5, 7_777), (8, 4, 3 << 20)])
 def test_every_shards_data_starts_32_byte_aligned(k, m, n):
     # The AVX2 kernels lose about a quarter of their speed on loads split across cache lines.
     codec = Codec(k, m)
-    for frame in codec.encode(np.arange(n, dtype=np.uint8)):
-        assert codec.parse(frame).address % 32 == 0
+    payload = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    frames = codec.encode(payload)
+    assert all(codec.parse(frame).address % 32 == 0 for frame in frames)
+    assert codec.decode(frames[m:]) == payload.tobytes()
+
+
+def test_large_shards_start_in_different_cache_sets():
+    # Back to back, 12 shards of 256 KiB would all start at one offset in their pages and
+    # contend for the same L1 sets; staggered, each starts on its own cache line mod 4 KiB.
+    codec = Codec(8, 4)
+    for shards in (codec.shard_views(2 << 20), [memoryview(f)[HEADER_SIZE:] for f in codec.encode(bytes(2 << 20))]):
+        lines = {np.frombuffer(s, dtype=np.uint8).ctypes.data % 4096 // 64 for s in shards}
+        assert len(lines) == 12
+    assert all(v.nbytes == codec.shard_len(2 << 20) for v in codec.shard_views(2 << 20))
 
 
 def test_aligned_empty_starts_on_the_boundary_and_has_the_length():

@@ -1,12 +1,15 @@
 """Erasure-coding speed vs numpy memcpy of the same 64 MiB buffer, one thread; one JSON line.
 
 Each ratio pairs the operation with memcpy runs interleaved with it (best of each).
-Measured path (the `*_ratio` keys): the raw ISA-L kernel into preallocated buffers (what
-codec.encode/decode run on, without their buffer allocation and CRC): encode = the m parity
-shards computed from the k data shards in place; decode = the lost data shards (2 for k4m2,
-4 for k8m4) rebuilt from k survivors.
+Measured path (the `*_ratio` keys): the raw ISA-L kernel on preallocated buffers laid out
+as codec.encode lays out its frames (Codec.shard_views), without the buffer allocation, the
+copy in and the CRC: encode = the m parity shards computed from the k data shards; decode =
+the lost data shards (2 for k4m2, 4 for k8m4) rebuilt from k surviving shards into the rows
+of a contiguous payload, as codec.assemble rebuilds them.
 GB/s counts payload bytes (64 MiB) per second, as memcpy does. All buffers, memcpy's
-too, start on a cache line (codec.aligned_empty, which codec.encode's frames use as well).
+too, start on a cache line (codec.aligned_empty). The frame layout staggers large shards
+across cache sets (see Codec._frame_buffer): shards back to back at 8 MiB strides would
+make the 12 streams of k8m4 evict each other in L1.
 The framed path (`framed_*` keys: copy into fresh shard buffers + a CRC-32 per shard on
 encode; CRC check + reassembly into one contiguous payload on decode) is reported beside
 it, as is the CRC alone, so the cost of each layer is visible.
@@ -46,11 +49,14 @@ def best_pair(baseline, fn, repeats: int) -> tuple[float, float]:
 def measure_code(codec: Codec, payload: np.ndarray, memcpy, repeats: int) -> dict[str, float]:
     k, m, size = codec.k, codec.m, payload.size
     shard = size // k
-    data = list(payload.reshape(k, shard))
-    parity = list(aligned_empty(m * shard).reshape(m, shard))
+    views = codec.shard_views(size)  # the shard areas of a frame buffer, as codec.encode lays them out
+    data, parity = views[:k], views[k:]
+    for i in range(k):
+        np.copyto(data[i], payload[i * shard:(i + 1) * shard])
     lost = list(range(m))  # m data shards lost, rebuilt from the rest + all parity
-    survivors = {i: data[i] for i in range(m, k)} | {k + j: parity[j] for j in range(m)}
-    rebuilt = list(aligned_empty(m * shard).reshape(m, shard))
+    survivors = {i: views[i] for i in range(m, k + m)}
+    rebuilt_payload = aligned_empty(size)  # rebuilt into the payload's own rows, as codec.assemble does
+    rebuilt = [rebuilt_payload[j * shard:(j + 1) * shard] for j in lost]
     kept = codec.encode(payload)[m:]  # the framed decode gets the same erasure pattern
     runs = {
         "encode": (lambda: codec.encode_parity_into(data, parity), repeats),
