@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.kv import isal
-from orchestrator.kv.codec import HEADER_SIZE, Codec, TooManyErasures, aligned_empty
+from orchestrator.kv.codec import HEADER, HEADER_SIZE, Codec, TooManyErasures, aligned_empty
 
 _codecs: dict[tuple[int, int], Codec] = {}
 
@@ -104,6 +106,21 @@ def test_two_encodings_of_one_payload_are_one_stripe():
     # a repair re-creates the shards of an existing stripe exactly
     old = c.parse(a[0]).stripe
     assert [bytes(f) for f in c.encode(payload, stripe=old)] == a
+
+
+def test_the_frame_format_is_as_documented():
+    # Pinned with zlib, not with the codec's own CRC: a store of another version must agree.
+    c, payload = codec(4, 2), os.urandom(1000)
+    frames = [bytes(f) for f in c.encode(payload)]
+    size = c.shard_len(len(payload))
+    padded = payload + bytes(4 * size - len(payload))
+    data_crcs = [zlib.crc32(padded[i * size:(i + 1) * size]) for i in range(4)]
+    for index, frame in enumerate(frames):
+        magic, crc, version, i, k, m, n, length, stripe, reserved = HEADER.unpack_from(frame)
+        assert (magic, version, i, k, m, n, length, reserved) == (b"KVEC", 2, index, 4, 2, 1000, size, 0)
+        assert stripe == zlib.crc32(struct.pack("<4I", *data_crcs))
+        assert crc == zlib.crc32(frame[8:HEADER_SIZE], zlib.crc32(frame[HEADER_SIZE:]))
+    assert [f[HEADER_SIZE:] for f in frames[:4]] == [padded[i * size:(i + 1) * size] for i in range(4)]
 
 
 def test_a_header_alone_identifies_its_shard():

@@ -7,14 +7,18 @@ Two layers:
 - the raw kernel, `encode_parity_into` / `recover_into`: pointers into caller-owned buffers,
   nothing allocated, data shards used in place. This is what runs at 2x memcpy.
 - framed shards, `encode` / `decode`: each shard is a 32-byte header + S bytes. The header
-  carries a CRC-32 of header and data, so a corrupted, truncated or foreign shard is an
-  erasure, never decoded into wrong KV. A stripe id, the payload's CRC-32, ties the shards of
-  one encoding together (a stale shard of an older, different write of the same key is not
-  mixed in; identical writes give identical shards).
+  carries a CRC-32 of data and header, so a corrupted, truncated or foreign shard is an
+  erasure, never decoded into wrong KV. A stripe id, derived from the data shards' CRCs,
+  ties the shards of one encoding together (a stale shard of an older, different write of
+  the same key is not mixed in; identical writes give identical shards).
 
-Header (little endian): magic "KVEC", crc32 u32 (of everything after it: the rest of the
-header and the data, in one pass), version u8, index u8, k u8, m u8, payload length u64,
-shard length u32, stripe id u32 (the payload's CRC-32), reserved u32 (0).
+Header (little endian): magic "KVEC", crc32 u32, version u8, index u8, k u8, m u8, payload
+length u64, shard length u32, stripe id u32, reserved u32 (0).
+- crc32 is the CRC-32 (zlib's) of the shard's data followed by header bytes 8..31: data
+  first, so the data's CRC, computed once, serves both the stripe id and the frame CRC.
+- stripe id is the CRC-32 of the k data shards' data CRCs (u32 LE each, the last shard
+  zero-padded): a function of the payload and the code alone, with no pass over the payload
+  of its own (CRC is most of a framed encode's time; memcpy is a quarter of it).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -30,11 +35,12 @@ import numpy as np
 from orchestrator.kv import isal
 
 MAGIC = b"KVEC"
-VERSION = 1
+VERSION = 2  # 1: CRC over header then data, stripe = CRC-32 of the payload
 HEADER = struct.Struct("<4sIBBBBQIII")
 HEADER_SIZE = HEADER.size  # 32
 _U32 = struct.Struct("<I")
-_CRC_FROM = 8  # the CRC covers bytes 8.. of the frame
+_CRC_FROM = 8  # the CRC covers the data, then header bytes 8..31
+_HEADER_TAIL = HEADER_SIZE - _CRC_FROM
 ALIGN = 64
 PAGE = 4096
 STAGGER = 352  # frame stride mod PAGE for large shards: 5.5 cache lines, 32-byte aligned data
@@ -189,9 +195,9 @@ class Codec:
     def encode(self, payload: Buffer, stripe: int | None = None) -> list[memoryview]:
         """The k+m framed shards of a payload (views into one fresh buffer).
 
-        The stripe id is the payload's CRC-32 unless `stripe` is given (shard repair re-creates
-        lost shards of an existing encoding, byte for byte, so they join the shards still
-        stored). Derived from the content, not random: two replicas that store the same block
+        The stripe id comes from the data shards' CRCs (see the module docstring) unless
+        `stripe` is given (shard repair re-creates lost shards of an existing encoding, byte
+        for byte, so they join the shards still stored). Derived from the content, not random: two replicas that store the same block
         at once write identical shards, and whichever lands last on each store, the group
         stays one encoding; a different payload gets another stripe and is never mixed in."""
         src = np.frombuffer(payload, dtype=np.uint8)
@@ -210,12 +216,13 @@ class Codec:
                                  _pointers(data[k:]))
         flat = memoryview(frames)
         crc = self._crc
+        data_crcs = [crc(0, address, size) for address in data]
         if stripe is None:
-            stripe = crc(0, src_base, n) if n else 0
+            stripe = zlib.crc32(struct.pack(f"<{k}I", *data_crcs[:k]))
         for i in range(k + m):
             offset = i * stride
             HEADER.pack_into(flat, offset, MAGIC, 0, VERSION, i, k, m, n, size, stripe, 0)
-            _U32.pack_into(flat, offset + 4, crc(0, base + offset + _CRC_FROM, frame_len - _CRC_FROM))
+            _U32.pack_into(flat, offset + 4, crc(data_crcs[i], base + offset + _CRC_FROM, _HEADER_TAIL))
         return [flat[i * stride:i * stride + frame_len] for i in range(k + m)]
 
     def _frame_buffer(self, payload_len: int) -> tuple[np.ndarray, int, int]:
@@ -261,7 +268,7 @@ class Codec:
         crc = _U32.unpack_from(view, 4)[0]
         index, stripe, n = claimed
         base = np.frombuffer(view, dtype=np.uint8).ctypes.data
-        if self._crc(0, base + _CRC_FROM, len(view) - _CRC_FROM) != crc:
+        if self._crc(self._crc(0, base + HEADER_SIZE, len(view) - HEADER_SIZE), base + _CRC_FROM, _HEADER_TAIL) != crc:
             return None
         return Shard(index, n, stripe, view, base + HEADER_SIZE)
 

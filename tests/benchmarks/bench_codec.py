@@ -90,7 +90,7 @@ def main() -> None:
     result: dict[str, object] = {
         "bench": "codec",
         "payload_mib": size >> 20,
-        "measured": "raw ISA-L kernel into preallocated buffers, data shards in place",
+        "measured": "raw ISA-L kernel on preallocated buffers in the codec's frame layout; decode into payload rows",
         "framed_note": "framed_* = fresh shard/payload buffers + CRC; at 64 MiB those buffers come "
                        "straight from the kernel (mmap + first-touch page faults dominate)",
         "memcpy_gbps": round(size / memcpy_s / 1e9, 2),
