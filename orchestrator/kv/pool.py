@@ -21,8 +21,9 @@ This is the one API the vLLM connector (orchestrator/kv/connector.py) uses:
     pool.has(key: str) -> bool          cheap: >= k shards present (no data transferred)
     pool.has_many(keys: list[str]) -> list[bool]
     pool.update_nodes(nodes: list[StoreNode]) -> None   membership changed (new placement)
-    pool.repair_many(keys: list[str]) -> list[int | None]
-        put back the shards the current holders lack (per key: how many; None: unrecoverable)
+    pool.repair_many(keys: list[str]) -> Repaired(shards: list[int | None], bytes_moved: int)
+        put back the shards the current holders lack or hold of another encoding (per key:
+        how many; None: unrecoverable), and the shard bytes read and written
     pool.close() -> None                 (also a context manager)
 
     StoreNode(node_id: str, endpoint: str, cloud: str, region: str, zone: str)  frozen

@@ -15,9 +15,10 @@ burst of changes costs one pass. Two replicas that know the same key both repair
 shards they write are identical, so that costs bandwidth, never consistency.
 
 A pass moves at most `max_bytes_per_s` of shard bytes (read and written) on average, so
-that after a zone loss it does not take the replica's network and cores from serving; it
-restores the margin over seconds to minutes, well inside the time to the next correlated
-loss the traces show.
+that after a zone loss it does not take the replica's network and cores from serving. The
+limit trades how soon the margin is back against serving. At the default 200 MB/s, a
+replica that knows 4 GB of payload in k=4, m=2 groups, after a zone took 2 shards of each,
+reads 4 GB (4 shards a group) and writes 2 GB: 30 s.
 
 Limits: a key that no live replica stored or loaded recently is not repaired (its saver is
 gone); a store's own LRU may already have evicted a group before its repair.
