@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.kv import isal
-from orchestrator.kv.codec import HEADER, HEADER_SIZE, Codec, TooManyErasures, aligned_empty
+from orchestrator.kv.codec import HEADER, HEADER_SIZE, Codec, TooManyErasures, WrongPayloadLength, aligned_empty
 
 _codecs: dict[tuple[int, int], Codec] = {}
 
@@ -132,6 +132,23 @@ def test_a_header_alone_identifies_its_shard():
     assert c.identify(bytes(frames[0][:HEADER_SIZE - 1])) is None  # short
     assert codec(8, 4).identify(bytes(frames[0][:HEADER_SIZE])) is None  # another code
     assert c.identify(b"x" * HEADER_SIZE) is None
+
+
+@pytest.mark.parametrize("k,m,n", [(4, 2, 1_000), (4, 2, 4 * 256), (8, 4, 3 << 20), (4, 2, 70), (3, 5, 7_777)])
+def test_assemble_into_a_callers_buffer_writes_exactly_the_payload(k, m, n):
+    # Erasures of the last data shard with payload bytes (rebuilt aside and trimmed), of data
+    # shards that are all padding (n=70, k=4: shards 2 and 3), of parity only, or none.
+    c = codec(k, m)
+    payload = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    shards = [c.parse(f) for f in c.encode(payload)]
+    for lost in ([], list(range(m)), list(range(k - 1, k - 1 + m)), [k - 1]):
+        kept = [s for s in shards if s.index not in lost]
+        row = np.full(n + 16, 0xAB, dtype=np.uint8)  # guard bytes after the payload
+        assert c.assemble(kept, into=row[:n]) is not None
+        assert row[:n].tobytes() == payload and (row[n:] == 0xAB).all()
+        assert c.assemble(kept) == payload
+    with pytest.raises(WrongPayloadLength):
+        c.assemble(shards, into=np.empty(n + 1, dtype=np.uint8))
 
 
 def test_shards_of_another_code_are_erasures():

@@ -4,6 +4,7 @@ the flush/stats control endpoint and the membership poll, all over real HTTP on 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -196,3 +197,32 @@ def test_membership_follows_the_daemon_and_keeps_the_last_list_when_it_is_gone()
     time.sleep(0.5)  # a few failed polls
     assert [n.node_id for n in membership.nodes] == ["me", "s1", "s2"] and len(changes) == 1
     membership.close()
+
+
+STAGING_ROUND_TRIP = """
+import torch
+from orchestrator.kv.staging import PagedLayout
+
+for ratio in (1, 2):  # 2: the attention kernel splits each scheduler block in two
+    num_blocks = 6
+    layers = [torch.randn(num_blocks * ratio, 2, 4, 8) for _ in range(3)]
+    staged = PagedLayout(layers, num_blocks).gather([1, 4], ["k1", "k4"])
+    fresh = [torch.zeros_like(layer) for layer in layers]
+    target = PagedLayout(fresh, num_blocks)
+    rows = target.host_rows(2)
+    rows[:] = staged.rows  # what a load decodes into them
+    target.scatter_rows([5, 0], rows)
+    for src, dst in zip(layers, fresh):
+        for s, d in ((1, 5), (4, 0)):
+            assert torch.equal(src[s * ratio:(s + 1) * ratio], dst[d * ratio:(d + 1) * ratio]), (ratio, s, d)
+        assert not any(dst[b * ratio:(b + 1) * ratio].any() for b in (1, 2, 3, 4)), ratio
+print("staged")
+"""
+
+
+def test_blocks_gathered_from_one_paged_cache_scatter_into_another(replica_runtime):
+    # The connector's copies between vLLM's paged KV cache and host rows (CPU tensors, the
+    # layout vLLM's CPU build hands the connector); torch lives in the replica runtime only.
+    out = subprocess.run([str(replica_runtime), "-c", STAGING_ROUND_TRIP], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "staged", out.stderr[-2000:]

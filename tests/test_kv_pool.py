@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from orchestrator.kv.codec import HEADER_SIZE, Codec
@@ -55,6 +56,18 @@ def test_put_get_has_round_trip(cluster):
     assert pool.get_many([first[0], first[0]]) == [first[1], first[1]]
     assert pool.has_many([*data, "absent"]) == [True] * len(data) + [False]
     assert pool.has(first[0]) and not pool.has("absent")
+
+
+def test_get_many_decodes_into_the_callers_buffers(cluster):
+    pool, procs, _ = cluster
+    data = {"a": os.urandom(50_000), "b": os.urandom(50_000), "short": os.urandom(10)}
+    pool.put_many(list(data.items()))
+    procs["zone-a-0"].kill()  # some groups lose a data shard: rebuilt into the buffer too
+    rows = np.zeros((4, 50_000), dtype=np.uint8)
+    got = pool.get_many(["a", "b", "short", "absent"], into=list(rows))
+    assert got[0] is not None and rows[0].tobytes() == data["a"] and rows[1].tobytes() == data["b"]
+    assert got[2:] == [None, None]  # another length than its buffer; absent
+    assert not rows[2:].any()
 
 
 def test_a_whole_zone_down_is_tolerated_and_three_stores_down_is_not(cluster):

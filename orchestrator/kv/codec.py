@@ -53,6 +53,10 @@ class TooManyErasures(Exception):
     """Fewer than k valid shards: the payload cannot be recovered."""
 
 
+class WrongPayloadLength(ValueError):
+    """`assemble(into=...)` got a buffer of another length than the stored payload's."""
+
+
 class ShardId(NamedTuple):
     """What a shard's header says it is: its place in the group and its encoding."""
 
@@ -197,9 +201,10 @@ class Codec:
 
         The stripe id comes from the data shards' CRCs (see the module docstring) unless
         `stripe` is given (shard repair re-creates lost shards of an existing encoding, byte
-        for byte, so they join the shards still stored). Derived from the content, not random: two replicas that store the same block
-        at once write identical shards, and whichever lands last on each store, the group
-        stays one encoding; a different payload gets another stripe and is never mixed in."""
+        for byte, so they join the shards still stored). Derived from the content, not
+        random: two replicas that store the same block at once write identical shards, and
+        whichever lands last on each store, the group stays one encoding; a different
+        payload gets another stripe and is never mixed in."""
         src = np.frombuffer(payload, dtype=np.uint8)
         n, k, m = src.size, self.k, self.m
         frames, size, stride = self._frame_buffer(n)
@@ -288,26 +293,46 @@ class Codec:
             stripes.setdefault((shard.stripe, shard.payload_len), {})[shard.index] = shard
         return max(stripes.values(), key=len, default={})
 
-    def assemble(self, shards: Sequence[Shard]) -> bytearray:
-        """The payload from shards already checked by `parse` (the pool parses on arrival)."""
+    def assemble(self, shards: Sequence[Shard], into: Buffer | None = None) -> bytearray | Buffer:
+        """The payload from shards already checked by `parse` (the pool parses on arrival):
+        a new bytearray, or written into `into` (a writable buffer of exactly the payload's
+        length, e.g. a row of the connector's staging array) and `into` returned."""
         best = self.best_stripe(shards)
         if len(best) < self.k:
             raise TooManyErasures(f"only {len(best)} valid shard(s) of {self.k}+{self.m}; need {self.k} to decode")
         chosen = [best[i] for i in sorted(best)[: self.k]]  # data shards first: fewest to rebuild
         n = chosen[0].payload_len
         size, k = self.shard_len(n), self.k
-        out = bytearray(k * size)
-        base = np.frombuffer(out, dtype=np.uint8).ctypes.data  # a plain int: no export pins `out`
+        if into is None:
+            out = bytearray(k * size)  # room for the last shard's padding: trimmed in place below
+            # the address as a plain int: no buffer export pins `out`, so `del out[n:]` works
+            base, room = np.frombuffer(out, dtype=np.uint8).ctypes.data, k * size
+        else:
+            view = memoryview(into).cast("B")
+            if view.readonly:
+                raise ValueError("assemble needs a writable buffer")
+            if view.nbytes != n:
+                raise WrongPayloadLength(f"the payload has {n} bytes, its buffer {view.nbytes}")
+            base, room = np.frombuffer(view, dtype=np.uint8).ctypes.data, n
         present = {s.index for s in chosen}
         for shard in chosen:
-            if shard.index < k:
-                ctypes.memmove(base + shard.index * size, shard.address, size)
-        missing = [i for i in range(k) if i not in present]
+            if shard.index < k and shard.index * size < n:
+                ctypes.memmove(base + shard.index * size, shard.address, min(size, room - shard.index * size))
+        # Data shards that are all padding need no rebuild; one that does not fit `room` (the
+        # last, padded, shard of a payload written in place) is rebuilt aside and copied.
+        missing = [i for i in range(k) if i not in present and i * size < n]
         if missing:
+            spill = aligned_empty(size) if (missing[-1] + 1) * size > room else None
+            targets = [base + i * size for i in missing]
+            if spill is not None:
+                targets[-1] = spill.ctypes.data
             indices = tuple(s.index for s in chosen)
             tables = self._decode_table(indices, tuple(missing))
             self._lib.ec_encode_data(size, k, len(missing), tables.ctypes.data,
-                                     _pointers([s.address for s in chosen]),
-                                     _pointers([base + i * size for i in missing]))
+                                     _pointers([s.address for s in chosen]), _pointers(targets))
+            if spill is not None:
+                ctypes.memmove(base + missing[-1] * size, spill.ctypes.data, n - missing[-1] * size)
+        if into is not None:
+            return into
         del out[n:]  # drops the padding of the last data shard (in place)
         return out

@@ -17,7 +17,8 @@ This is the one API the vLLM connector (orchestrator/kv/connector.py) uses:
         key cannot be recovered (absent, too many stores down, or too many corrupt shards).
         A bytearray (bytes-like, compares equal to bytes; writable, so torch.frombuffer /
         np.frombuffer take it without a copy or a warning).
-    pool.get_many(keys: list[str]) -> list[bytearray | None]
+    pool.get_many(keys: list[str], into: list[buffer] | None = None) -> list[bytearray | None]
+        with `into`, key i is decoded straight into into[i] (no payload copy), returned for it
     pool.has(key: str) -> bool          cheap: >= k shards present (no data transferred)
     pool.has_many(keys: list[str]) -> list[bool]
     pool.update_nodes(nodes: list[StoreNode]) -> None   membership changed (new placement)
@@ -41,7 +42,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
-from orchestrator.kv.codec import Codec, Shard, TooManyErasures
+from orchestrator.kv.codec import Buffer, Codec, Shard, TooManyErasures, WrongPayloadLength
 from orchestrator.kv.placement import Placement, StoreNode
 from orchestrator.kv.store import StoreClient, gather_until
 
@@ -150,13 +151,15 @@ class ErasureCodedPool:
     def get(self, key: str) -> bytearray | None:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[str]) -> list[bytearray | None]:
-        """Each key's payload from the first k valid shards that arrive; None if unrecoverable."""
-        out: list[bytearray | None] = []
-        for shards in self._gather(keys):
+    def get_many(self, keys: Sequence[str], into: Sequence[Buffer] | None = None) -> list[bytearray | Buffer | None]:
+        """Each key's payload from the first k valid shards that arrive; None if unrecoverable.
+        With `into` (one writable buffer per key), key i's payload is decoded straight into
+        into[i], which is returned for it; a payload of another length is None."""
+        out: list[bytearray | Buffer | None] = []
+        for item, shards in enumerate(self._gather(keys)):
             try:
-                out.append(self._codec.assemble(shards))
-            except TooManyErasures:
+                out.append(self._codec.assemble(shards, into=None if into is None else into[item]))
+            except (TooManyErasures, WrongPayloadLength):
                 out.append(None)
         return out
 

@@ -8,7 +8,8 @@ splits a scheduler block into `ratio` kernel blocks, block b is kernel blocks
 b*ratio .. b*ratio+ratio-1 (vLLM's virtual block splitting).
 
 Device side: one gather per layer and one stacked device->host copy per step (saves), one
-host->device copy and one indexed write per layer (loads). On GPU the host buffer is pinned
+host->device copy and one indexed write per layer (loads). Loads decode straight into the
+host rows that are copied to the device (`host_rows`, `scatter_rows`): no payload copy. On GPU the host buffer is pinned
 and the save copy is asynchronous: the saver thread waits on a recorded event before
 reading it (a fresh pinned buffer per step: a reused ring would be cheaper on GPU). CPU tests
 cover the CPU path only; the CUDA branches are untested here.
@@ -66,17 +67,22 @@ class PagedLayout:
         # The numpy view keeps the pinned tensor alive; it is read only after `ready`.
         return StagedBlocks(keys, host.reshape(n, -1).view(torch.uint8).numpy(), ready)
 
-    def scatter(self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]) -> None:
-        """Write decoded payloads into these blocks of every layer."""
+    def host_rows(self, n: int) -> np.ndarray:
+        """n uninitialised payload rows in host memory for loads to decode into (pinned on a
+        GPU, so `scatter_rows` copies them to the device without staging them again)."""
+        if self.device.type == "cpu":
+            return np.empty((n, self.payload_bytes), dtype=np.uint8)
+        return torch.empty((n, self.payload_bytes), dtype=torch.uint8, pin_memory=True).numpy()
+
+    def scatter_rows(self, block_ids: Sequence[int], rows: np.ndarray) -> None:
+        """Write host rows (row i: the payload of block_ids[i], as `host_rows` gives them)
+        into these blocks of every layer."""
         n = len(block_ids)
         if n == 0:
             return
-        host = np.empty((n, self.payload_bytes), dtype=np.uint8)
-        for row, payload in zip(host, payloads, strict=True):
-            row[:] = np.frombuffer(payload, dtype=np.uint8)
-        src = torch.from_numpy(host)
+        src = torch.from_numpy(rows[:n])
         if self.device.type != "cpu":
-            src = src.pin_memory().to(self.device, non_blocking=True)
+            src = src.to(self.device, non_blocking=True)  # rows are pinned: an async copy
         src = src.view(self.dtype).reshape(n, len(self.layers), self.block_elems)
         index = self._kernel_indices(block_ids)
         for i, layer in enumerate(self.layers):

@@ -50,18 +50,19 @@ class WorkerTransfers:
     def _load(self, load: BlockLoad, record) -> None:
         layout = self._layout
         assert layout is not None, "register_kv_caches comes first"
+        rows = layout.host_rows(len(load.keys))
         try:
-            payloads = self._pool.get_many(load.keys)
+            payloads = self._pool.get_many(load.keys, into=list(rows))  # None: absent, or not a block of this layout
         except Exception as err:
             log.warning("kv load for %s failed: %s", load.request_id, err)
             payloads = [None] * len(load.keys)
         good = 0
         for payload in payloads:
-            if payload is None or len(payload) != layout.payload_bytes:
+            if payload is None:
                 break  # a prefix is only usable up to its first hole
             good += 1
         try:
-            layout.scatter(load.block_ids[:good], payloads[:good])
+            layout.scatter_rows(load.block_ids[:good], rows[:good])
         except Exception as err:
             log.warning("kv scatter for %s failed: %s", load.request_id, err)
             good = 0
