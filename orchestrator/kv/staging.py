@@ -9,10 +9,11 @@ b*ratio .. b*ratio+ratio-1 (vLLM's virtual block splitting).
 
 Device side: one gather per layer and one stacked device->host copy per step (saves), one
 host->device copy and one indexed write per layer (loads). Loads decode straight into the
-host rows that are copied to the device (`host_rows`, `scatter_rows`): no payload copy. On GPU the host buffer is pinned
-and the save copy is asynchronous: the saver thread waits on a recorded event before
-reading it (a fresh pinned buffer per step: a reused ring would be cheaper on GPU). CPU tests
-cover the CPU path only; the CUDA branches are untested here.
+host rows that are copied to the device (`host_rows`, `scatter_rows`): no payload copy.
+On GPU the host buffers are pinned and the save copy is asynchronous: the saver thread
+waits on a recorded event before reading it (a fresh pinned buffer per step: a reused ring
+would be cheaper on GPU). CPU tests cover the CPU path only; the CUDA branches are untested
+here.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ uvicorn/FastAPI: bodies land in their final buffer with one copy). The routes ar
     HEAD   /v1/shards/{key}     200 | 404
     DELETE /v1/shards/{key}     204 | 404
     POST   /v1/batch/{put,get,head,has,delete}   bodies: orchestrator/kv/wire.py
-                                        (head: each value's first wire.HEAD_BYTES, as `has`
-                                        does not refresh its place in the LRU)
+                                        (head: each value's first wire.HEAD_BYTES; like
+                                        `has`, it leaves the value's LRU place and TTL)
     GET    /metrics             Prometheus text
     GET    /healthz             "ok"
 
