@@ -147,6 +147,8 @@ def test_assemble_into_a_callers_buffer_writes_exactly_the_payload(k, m, n):
         assert c.assemble(kept, into=row[:n]) is not None
         assert row[:n].tobytes() == payload and (row[n:] == 0xAB).all()
         assert c.assemble(kept) == payload
+    row = np.empty(n, dtype=np.uint8)
+    assert c.decode([None, *c.encode(payload)[1:]], into=row) is row and row.tobytes() == payload
     with pytest.raises(WrongPayloadLength):
         c.assemble(shards, into=np.empty(n + 1, dtype=np.uint8))
 

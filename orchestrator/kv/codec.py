@@ -277,12 +277,13 @@ class Codec:
             return None
         return Shard(index, n, stripe, view, base + HEADER_SIZE)
 
-    def decode(self, frames: Iterable[Buffer | None]) -> bytearray:
-        """The payload from any k valid framed shards (others: corrupt, foreign or None).
+    def decode(self, frames: Iterable[Buffer | None], into: Buffer | None = None) -> bytearray | Buffer:
+        """The payload from any k valid framed shards (others: corrupt, foreign or None), as
+        a new bytearray or written into `into` (see `assemble`).
 
         Raises TooManyErasures when fewer than k valid shards of one stripe are present.
         """
-        return self.assemble([p for p in (self.parse(f) for f in frames if f is not None) if p is not None])
+        return self.assemble([p for p in (self.parse(f) for f in frames if f is not None) if p is not None], into)
 
     @staticmethod
     def best_stripe(shards: Sequence[Shard]) -> dict[int, Shard]:
