@@ -42,6 +42,7 @@ def test_settings_accept_a_launcher_config(tmp_path):
     assert own.repair_bytes_per_s == 200e6  # the default limit
     unlimited = parse_settings({"stores": [STORE], "secret": SECRET, "repair_mb_per_s": 0})
     assert unlimited.repair_bytes_per_s is None
+    assert parse_settings({"stores": [STORE], "secret": SECRET, "repair_mb_per_s": None}).repair_bytes_per_s is None
     config = transfer_config({"secret": SECRET})
     assert config["kv_connector"] == "SpotKVConnector"
     assert config["kv_connector_module_path"] == "orchestrator.kv.connector"

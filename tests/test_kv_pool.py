@@ -237,19 +237,15 @@ def test_the_repairer_walks_the_known_keys_after_a_change(zone_a_replaced):
     assert all(_whole_at_holders(pool, key) for key in data)
 
 
-class _FakeStop:
-    """The Repairer's stop event, on a fake clock: a wait advances the clock instead of sleeping."""
+class _FakeWait:
+    """A wait on a fake clock: it advances the clock instead of sleeping."""
 
     def __init__(self, clock: list[float]):
         self.clock, self.waited = clock, 0.0
 
-    def wait(self, seconds: float) -> bool:
+    def __call__(self, seconds: float) -> None:
         self.clock[0] += seconds
         self.waited += seconds
-        return False
-
-    def is_set(self) -> bool:
-        return False
 
 
 class _PoolMoving:
@@ -267,11 +263,13 @@ def test_a_repair_pass_keeps_to_its_byte_rate_limit(limit, least_wait):
     clock = [100.0]
     known, stats = KnownKeys(), KVStats()
     known.add([f"key-{i}" for i in range(40)])
+    stop = _FakeWait(clock)
     repairer = Repairer(_PoolMoving(5_000_000), known, stats, batch_keys=4, pause_s=0.0,
-                        max_bytes_per_s=limit, clock=lambda: clock[0])
-    repairer.close()  # the background thread: this test runs the pass itself
-    repairer._stop = stop = _FakeStop(clock)
-    done = repairer.repair_pass()
+                        max_bytes_per_s=limit, clock=lambda: clock[0], wait=stop)
+    try:
+        done = repairer.repair_pass()  # run here: the background thread waits for a schedule()
+    finally:
+        repairer.close()
     assert done["repair_bytes"] == 10 * 5_000_000 and done["shards_repaired"] == 40
     assert stop.waited == pytest.approx(least_wait)  # 50 MB at 10 MB/s: 5 s in all
     assert stats.snapshot()["repair_bytes"] == 50_000_000

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.continuation import new_seam_id, seam_id_in
 from orchestrator.replica_command import ReplicaLauncher
 from providers.base import LaunchRequest
 from providers.local import LocalProvider
@@ -205,8 +206,6 @@ def test_the_cut_does_not_wait_for_a_busy_controller(daemon):
 
 def test_a_continuations_kv_record_is_found_by_the_id_the_lb_gave_it():
     """vLLM keeps the LB's X-Request-Id inside its own request id; other requests have none."""
-    from orchestrator.continuation import new_seam_id, seam_id_in
-
     seam = new_seam_id()
     assert seam_id_in(f"cmpl-{seam}-0-a17b2aa8") == seam
     assert seam_id_in(f"chatcmpl-{seam}") == seam

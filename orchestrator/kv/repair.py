@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 class Repairer:
     def __init__(self, pool, known: KnownKeys, stats: KVStats, *, batch_keys: int = 64,
                  settle_s: float = 5.0, pause_s: float = 0.01, max_bytes_per_s: float | None = None,
-                 clock=time.monotonic):
+                 clock=time.monotonic, wait=None):
+        """`clock` and `wait` (seconds -> None) time the rate limit; wait defaults to the stop
+        event's, so close() interrupts a pass that is waiting."""
         if max_bytes_per_s is not None and max_bytes_per_s <= 0:
             raise ValueError(f"max_bytes_per_s must be positive or None, got {max_bytes_per_s}")
         self._pool, self._known, self._stats = pool, known, stats
@@ -47,6 +49,7 @@ class Repairer:
         self._max_bytes_per_s, self._clock = max_bytes_per_s, clock
         self._due = threading.Event()
         self._stop = threading.Event()
+        self._wait = wait or self._stop.wait
         self._thread = threading.Thread(target=self._run, name="kv-repair", daemon=True)
         self._thread.start()
 
@@ -87,7 +90,7 @@ class Repairer:
             done["groups_unrecoverable"] += len(lost)
             done["groups_repaired"] += sum(1 for n in results if n)
             done["shards_repaired"] += sum(n for n in results if n)
-            self._stop.wait(self._pause_s + self._behind_limit_s(started, done["repair_bytes"]))
+            self._wait(self._pause_s + self._behind_limit_s(started, done["repair_bytes"]))
         self._stats.add(repair_passes=1, **done)
         if done["shards_repaired"] or done["groups_unrecoverable"]:
             log.info("kv repair: %d shards of %d groups put back, %d groups unrecoverable (of %d known)",

@@ -112,6 +112,12 @@ def _self_store(extra: Mapping[str, Any]) -> StoreNode | None:
     return parse_nodes([fields])[0]
 
 
+def _repair_limit(extra: Mapping[str, Any]) -> float | None:
+    """Bytes per second, or None for no limit (0 or null)."""
+    mb_per_s = _number(extra, "repair_mb_per_s", 200, float, 0)
+    return mb_per_s * 1e6 if mb_per_s else None
+
+
 def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     extra = dict(extra or {})
     unknown = sorted(set(extra) - _FIELDS)
@@ -148,7 +154,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         model_id=model_id,
         max_pending_bytes=int(_number(extra, "max_pending_mb", 256, float, 1) * (1 << 20)),
         push_batch_blocks=_number(extra, "push_batch_blocks", 64, int, 1),
-        repair_bytes_per_s=_number(extra, "repair_mb_per_s", 200, float, 0) * 1e6 or None,
+        repair_bytes_per_s=_repair_limit(extra),
     )
     if settings.control_port is not None and settings.control_port > 65535:
         raise UserError(f"kv_connector_extra_config.control_port: not a port: {settings.control_port}")
