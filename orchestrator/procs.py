@@ -1,4 +1,5 @@
-"""Is a process alive: read from Linux /proc, with a portable fallback.
+"""Is a process alive: read from Linux /proc, with a portable fallback. And the CPU priority
+of the local cloud's machines.
 
 A zombie still answers `os.kill(pid, 0)`, and a pid can be reused by another process; /proc
 tells both apart (its state, and its start time since boot). The CLI checks the daemon's pid
@@ -64,3 +65,31 @@ def group_members(pgid: int) -> list[int]:
             if stat is not None and stat.pgid == pgid and stat.state not in _DEAD_STATES:
                 members.append(int(entry.name))
     return members
+
+
+# A local "machine" (a vLLM replica, a shard store) shares the host's CPUs with the control
+# plane, which in production has machines of its own. vLLM's CPU workers keep every core busy;
+# at equal priority they starved the LB's event loop on a 2-core host for a second and more at
+# a time (a stream then reached the LB as one burst of all its tokens). Niced, the machines get
+# whatever CPU the control plane leaves them.
+MACHINE_NICE = 10
+
+
+def lower_machine_priority(pid: int) -> None:
+    """Run the session led by `pid` (started with start_new_session) at MACHINE_NICE, best effort.
+
+    Both knobs are needed: with the kernel's autogroup scheduling (the default on desktop and
+    many server kernels) a session's CPU share is set by its autogroup's nice, and the process
+    nice only ranks threads within the session. Children inherit both. Called right after
+    Popen (the child has set up its session and exec'd, and Python takes far longer to start
+    than this takes): a preexec_fn would run between fork and exec, unsafe in the threaded
+    daemon.
+    """
+    try:
+        os.setpriority(os.PRIO_PGRP, pid, MACHINE_NICE)
+    except OSError:  # gone already, or a platform without process groups
+        pass
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(MACHINE_NICE))
+    except OSError:  # no autogroup scheduling on this kernel (nothing to do), or not ours
+        pass

@@ -5,7 +5,11 @@ and on-demand price. `launch()` runs `request.command` as a detached process gro
 session) with `os.environ | request.env`, output to `paths.logs_dir()/<replica>.<instance>.log`.
 Every process also gets SPOT_ORCHESTRATOR_INSTANCE_ID and SPOT_ORCHESTRATOR_LOCAL_NOTICE_FILE:
 the path where a notice for it appears as JSON {kind, action, deadline, time} (the local
-stand-in for a cloud's metadata endpoint, for the replica agent to poll).
+stand-in for a cloud's metadata endpoint, for the replica agent to poll). And TMPDIR, a
+scratch folder of its own (the machine's disk), removed when the instance terminates: vLLM
+keeps its IPC sockets there, and an engine killed by a preemption cannot remove them. The
+"machines" run niced (orchestrator.procs.lower_machine_priority), so that they do not starve
+the control plane beside them of CPU.
 
 Ports: before starting, the provider substitutes these placeholders in every command
 argument and env value:
@@ -56,9 +60,11 @@ import fcntl
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -119,6 +125,12 @@ def configured_locations(root: Path | None = None) -> list[Location]:
     except (FileNotFoundError, ValueError, KeyError, TypeError):
         zones = DEFAULT_ZONES
     return [Location(CLOUD, REGION, zone) for zone in zones]
+
+
+def _scratch_dir(instance_id: str) -> Path:
+    # Directly in the system's temp folder, not under the cloud's root: a unix socket's path
+    # (vLLM's IPC sockets live here) may not exceed 107 bytes.
+    return Path(tempfile.gettempdir()) / f"spot-{instance_id}"
 
 
 # ---- processes (liveness in orchestrator/procs.py) -----------------------------------
@@ -370,8 +382,11 @@ class LocalProvider(Provider):
         values = {"port": str(port), "agent_port": str(agent_port), "control_port": str(control_port),
                   "instance_id": instance_id}
         notice_file = self._registry.notice_file(instance_id)
+        scratch = _scratch_dir(instance_id)
+        scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = {
             **os.environ,
+            "TMPDIR": str(scratch),
             **{k: _substitute(str(v), values) for k, v in request.env.items()},
             NOTICE_FILE_ENV: str(notice_file),
             INSTANCE_ID_ENV: instance_id,
@@ -390,10 +405,12 @@ class LocalProvider(Provider):
                     close_fds=True,
                 )
             except OSError as err:
+                shutil.rmtree(scratch, ignore_errors=True)
                 raise ProviderError(
                     f"launch of {request.replica_id}: cannot run {command[0]!r}: {err.strerror}"
                 ) from None
         _CHILDREN[proc.pid] = proc
+        procs.lower_machine_priority(proc.pid)  # a machine of its own in a real cloud
         stat = procs.proc_stat(proc.pid)
         return {
             "instance_id": instance_id,
@@ -484,6 +501,7 @@ class LocalProvider(Provider):
     def _mark_terminated(self, record: dict[str, Any], reason: str) -> None:
         record.update(status="terminated", terminated_at=time.time(), reason=record["reason"] or reason)
         self._registry.save(record)
+        shutil.rmtree(_scratch_dir(record["instance_id"]), ignore_errors=True)  # the machine's disk goes with it
 
     def _instance(self, record: dict[str, Any], status: InstanceStatus) -> Instance:
         return Instance(

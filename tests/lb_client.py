@@ -51,11 +51,21 @@ class Reader(threading.Thread):
         self.chunks: list[dict] = []
         self.done = False
         self.error: BaseException | None = None
+        self.status: int | None = None
+        self.refusal = b""  # the body of an answer other than 200 (the LB's or a replica's error)
         self.start()
+
+    def __repr__(self) -> str:  # what a failed assertion shows of the stream
+        return (f"<Reader {self.path}: status {self.status}, {len(self.chunks)} chunks, done={self.done}, "
+                f"error={self.error!r}, refusal={self.refusal[:300]!r}>")
 
     def run(self):
         try:
             with httpx.stream("POST", self.url + self.path, json=self.body, timeout=self.timeout) as resp:
+                self.status = resp.status_code
+                if resp.status_code != 200:
+                    self.refusal = resp.read()
+                    return
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
                         self.chunks.append(json.loads(line[6:]))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.procs import MACHINE_NICE
 from providers.base import (
     TAG_REPLICA,
     TAG_SERVICE,
@@ -76,6 +77,11 @@ def pids(tmp_path, replica="chat-1") -> list[int]:
     return [int(p) for p in text.split()]
 
 
+def environ(pid: int) -> dict[str, str]:
+    text = Path(f"/proc/{pid}/environ").read_text()
+    return dict(entry.split("=", 1) for entry in text.split("\0") if "=" in entry)
+
+
 def get_ok(endpoint: str) -> bool:
     try:
         with urllib.request.urlopen(endpoint + "/", timeout=2) as resp:
@@ -116,6 +122,11 @@ def test_launch_list_get_and_terminate_leaves_no_process(cloud, tmp_path):
     wait_for(lambda: get_ok(inst.endpoint), what="the server on {port}")
     leader, grandchild = pids(tmp_path)
     assert alive(leader) and alive(grandchild)
+    # A machine of its own in a real cloud: here it yields the CPUs to the control plane.
+    assert os.getpriority(os.PRIO_PROCESS, leader) == os.getpriority(os.PRIO_PROCESS, grandchild) == MACHINE_NICE
+    scratch = Path(environ(leader)["TMPDIR"])  # the machine's own disk
+    assert scratch.is_dir() and environ(grandchild)["TMPDIR"] == str(scratch)
+    (scratch / "engine.sock").write_bytes(b"")  # what a killed vLLM leaves behind
     log = cloud.log_path(inst.instance_id)
     port = inst.endpoint.rsplit(":", 1)[1]
     wait_for(lambda: f"serving on {port} env {port}" in log.read_text(), what="log line")  # {port} in args and env
@@ -127,6 +138,7 @@ def test_launch_list_get_and_terminate_leaves_no_process(cloud, tmp_path):
 
     cloud.terminate(inst.instance_id)
     assert not alive(leader) and not alive(grandchild)
+    assert not scratch.exists()
     assert cloud.get(inst.instance_id).status is InstanceStatus.TERMINATED
     assert not get_ok(inst.endpoint)
     cloud.terminate(inst.instance_id)  # again: no error
@@ -162,15 +174,17 @@ def test_sigterm_ignored_gets_sigkill(cloud, tmp_path):
 def test_process_that_dies_reads_terminated_and_takes_its_group(cloud, tmp_path):
     inst = cloud.launch(request(tmp_path))
     leader, grandchild = pids(tmp_path)
+    scratch = Path(environ(leader)["TMPDIR"])
     os.kill(leader, signal.SIGKILL)
     wait_for(lambda: cloud.get(inst.instance_id).status is InstanceStatus.TERMINATED, what="TERMINATED")
-    assert not alive(grandchild)  # the "machine" is gone, with everything on it
+    assert not alive(grandchild) and not scratch.exists()  # the "machine" is gone, with everything on it
     assert [i.status for i in cloud.list()] == [InstanceStatus.TERMINATED]
 
 
 def test_notice_then_kill_at_deadline(cloud, tmp_path):
     inst = cloud.launch(request(tmp_path))
     leader, grandchild = pids(tmp_path)
+    scratch = Path(environ(leader)["TMPDIR"])
     notice = cloud.inject_notice(inst.instance_id, grace_s=2.0)
     assert notice.kind is NoticeKind.PREEMPT and notice.deadline > time.time() - 1
     # the replica can see it too, in the file named by its environment
@@ -184,6 +198,7 @@ def test_notice_then_kill_at_deadline(cloud, tmp_path):
         assert status is InstanceStatus.RUNNING  # a notice alone kills nothing
     wait_for(lambda: not alive(leader) and not alive(grandchild), timeout=30, what="kill at the deadline")
     assert cloud.get(inst.instance_id).status is InstanceStatus.TERMINATED
+    assert not scratch.exists()
 
 
 def test_notice_env_and_rebalance_does_not_kill(cloud, tmp_path):

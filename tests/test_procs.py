@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +39,19 @@ def test_group_members_are_the_live_processes_of_a_group():
         child.kill()
         child.wait()
     assert procs.group_members(child.pid) == []
+
+
+def test_a_local_machine_runs_niced_in_its_own_autogroup():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        procs.lower_machine_priority(child.pid)
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == procs.MACHINE_NICE
+        autogroup = Path(f"/proc/{child.pid}/autogroup")
+        if autogroup.exists():  # a kernel with autogroup scheduling: the session's share is what counts
+            assert autogroup.read_text().split()[-1] == str(procs.MACHINE_NICE)
+            assert autogroup.read_text().split()[0] != Path("/proc/self/autogroup").read_text().split()[0]
+        assert os.getpriority(os.PRIO_PROCESS, os.getpid()) != procs.MACHINE_NICE  # not the caller's
+    finally:
+        child.kill()
+        child.wait()
+    procs.lower_machine_priority(child.pid)  # gone: no error

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from orchestrator.procs import lower_machine_priority
 from tests.helpers import free_port
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1"}
@@ -26,13 +29,18 @@ class Processes:
         self.python = python
         self.log_dir = log_dir
         self._procs: dict[str, subprocess.Popen] = {}
+        self._scratch: dict[str, str] = {}
 
     def start(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
+        # A TMPDIR of its own, as the local cloud gives its machines (vLLM's IPC sockets, which
+        # a SIGKILLed engine leaves behind); short, for the 107-byte limit of a socket's path.
+        scratch = self._scratch[name] = tempfile.mkdtemp(prefix="spot-test-")
         proc = subprocess.Popen([str(self.python), *args], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
+                                stdin=subprocess.DEVNULL, env={**os.environ, "TMPDIR": scratch, **(env or {})},
                                 start_new_session=True)
         log.close()
+        lower_machine_priority(proc.pid)  # as the local cloud runs its machines
         self._procs[name] = proc
         return proc
 
@@ -48,6 +56,7 @@ class Processes:
         except ProcessLookupError:
             pass
         proc.wait(timeout=60)
+        shutil.rmtree(self._scratch.pop(name), ignore_errors=True)
 
     def freeze(self, name: str) -> None:
         """SIGSTOP the process group at once: it produces nothing more until killed, so a test
