@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 
 HAVE_PROC = Path("/proc/self/stat").exists()
@@ -89,7 +90,24 @@ def lower_machine_priority(pid: int) -> None:
         os.setpriority(os.PRIO_PGRP, pid, MACHINE_NICE)
     except OSError:  # gone already, or a platform without process groups
         pass
-    try:
-        Path(f"/proc/{pid}/autogroup").write_text(str(MACHINE_NICE))
-    except OSError:  # no autogroup scheduling on this kernel (nothing to do), or not ours
-        pass
+    _set_autogroup_nice(pid)
+
+
+# Without CAP_SYS_ADMIN the kernel takes one autogroup nice write per 100 ms, host-wide, and
+# answers EAGAIN to the rest (sched_autogroup_write: "a heavy operation, taking global locks").
+# A fleet launched in one tick would get only its first machine niced; retrying spans a few
+# such windows.
+_AUTOGROUP_TRIES = 5
+_AUTOGROUP_RETRY_S = 0.11
+
+
+def _set_autogroup_nice(pid: int) -> None:
+    for attempt in range(_AUTOGROUP_TRIES):
+        try:
+            Path(f"/proc/{pid}/autogroup").write_text(str(MACHINE_NICE))
+            return
+        except BlockingIOError:  # EAGAIN: another write had the window
+            if attempt + 1 < _AUTOGROUP_TRIES:
+                time.sleep(_AUTOGROUP_RETRY_S)
+        except OSError:  # no autogroup scheduling on this kernel (nothing to do), gone, or not ours
+            return
