@@ -14,6 +14,7 @@ from orchestrator import procs
 from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
+_WITH_REPO = {**os.environ, "PYTHONPATH": str(REPO)}  # for a Python started outside this venv
 
 pytestmark = pytest.mark.skipif(not procs.HAVE_PROC, reason="needs Linux /proc")
 
@@ -102,7 +103,7 @@ def _unprivileged_python() -> list[str]:
         probe = "import subprocess, sys, orchestrator.procs; subprocess.run([sys.executable, '-c', ''], check=True)"
         for python in (sys.executable, "/usr/bin/python3"):
             if subprocess.run([*as_nobody, python, "-c", probe], cwd=REPO, capture_output=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)}).returncode == 0:
+                              timeout=60, env=_WITH_REPO).returncode == 0:
                 return [*as_nobody, python]
     return [sys.executable]
 
@@ -111,6 +112,6 @@ def test_every_machine_of_a_quick_launch_gets_its_autogroup_niced():
     if _autogroup(os.getpid()) is None:
         pytest.skip("this kernel has no autogroup scheduling")
     run = subprocess.run([*_unprivileged_python(), "-c", _QUICK_LAUNCH], cwd=REPO,
-                         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+                         capture_output=True, text=True, timeout=60, env=_WITH_REPO)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == [str(procs.MACHINE_NICE)] * 3
