@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.errors import UserError
+from orchestrator.common.errors import UserError
 from policies.base import ServiceParams
 from providers.base import Location
 from providers.local import CLOUD as LOCAL_CLOUD
@@ -44,7 +44,7 @@ DEFAULT_LB_POLICY = "least_load"
 SPOT_PLACERS = ("dynamic_fallback",)
 DEFAULT_PLACEMENT_POLICY = "default"  # policies.base.load_policy resolves it
 CPU_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32 (REFERENCE.md)
-TINY_MODEL = "tiny"  # the locally generated demo model (orchestrator.demo_model)
+TINY_MODEL = "tiny"  # the locally generated demo model (orchestrator.replica.demo_model)
 
 
 class SpecError(UserError):

@@ -4,7 +4,7 @@ Offers: the latest `describe_spot_price_history` quote per AZ and type (on-deman
 from the v8 catalog; AWS prices on-demand per region). Launches carry an idempotent ClientToken
 and are also de-duplicated by the replica tag, so a retried launch never makes a second VM.
 Interruption warnings and rebalance recommendations arrive through an optional SQS queue that
-an EventBridge rule feeds. botocore's own retries are off: `orchestrator.retry` is the one backoff.
+an EventBridge rule feeds. botocore's own retries are off: `orchestrator.common.retry` is the one backoff.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError
 
-from orchestrator.catalog import Catalog, accelerator_for, gpu_instance_types, load_catalog
+from providers.catalog.loader import Catalog, accelerator_for, gpu_instance_types, load_catalog
 from providers.base import (
     TAG_MANAGED,
     TAG_REPLICA,

@@ -4,8 +4,8 @@ Instance ids are VM names (all VMs live in one resource group). A VM creates its
 public IP from `subnet_id` (network_api_version), so azure-mgmt-network is not needed. The
 Retail Prices API is public (no credentials): its pages are followed via NextPageLink, and
 Windows and Low Priority meters are dropped. azure-core's own retries are off:
-`orchestrator.retry` is the one backoff. Azure has no control-plane eviction feed; evictions
-are seen by the replica's Scheduled Events watcher (orchestrator/watchers.py).
+`orchestrator.common.retry` is the one backoff. Azure has no control-plane eviction feed; evictions
+are seen by the replica's Scheduled Events watcher (orchestrator/replica/watchers.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from azure.core.exceptions import (
 from azure.mgmt.compute import ComputeManagementClient
 from azure.mgmt.compute import models as m
 
-from orchestrator.catalog import Catalog, accelerator_for, gpu_instance_types, load_catalog
+from providers.catalog.loader import Catalog, accelerator_for, gpu_instance_types, load_catalog
 from providers.base import (
     TAG_MANAGED,
     AuthError,

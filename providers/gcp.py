@@ -20,7 +20,7 @@ from google.api_core import exceptions as gexc
 from google.auth import exceptions as auth_exc
 from google.cloud import compute_v1
 
-from orchestrator.catalog import GCP_ATTACHABLE, Catalog, CatalogRow, gpu_matches, load_catalog
+from providers.catalog.loader import GCP_ATTACHABLE, Catalog, CatalogRow, gpu_matches, load_catalog
 from providers.base import (
     TAG_MANAGED,
     AuthError,

@@ -8,7 +8,7 @@ the path where a notice for it appears as JSON {kind, action, deadline, time} (t
 stand-in for a cloud's metadata endpoint, for the replica agent to poll). And TMPDIR, a
 scratch folder of its own (the machine's disk), removed when the instance terminates: vLLM
 keeps its IPC sockets there, and an engine killed by a preemption cannot remove them. The
-"machines" run niced (orchestrator.procs.lower_machine_priority), so that they do not starve
+"machines" run niced (orchestrator.common.procs.lower_machine_priority), so that they do not starve
 the control plane beside them of CPU.
 
 Ports: before starting, the provider substitutes these placeholders in every command
@@ -71,7 +71,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator import paths, procs
+from orchestrator.common import paths
+
+from orchestrator.common import procs
 from providers.base import (
     CapacityError,
     Instance,
@@ -133,7 +135,7 @@ def _scratch_dir(instance_id: str) -> Path:
     return Path(tempfile.gettempdir()) / f"spot-{instance_id}"
 
 
-# ---- processes (liveness in orchestrator/procs.py) -----------------------------------
+# ---- processes (liveness in orchestrator/common/procs.py) -----------------------------------
 
 _CHILDREN: dict[int, subprocess.Popen] = {}  # processes this interpreter started: reap them
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from orchestrator.retry import retry
+from orchestrator.common.retry import retry
 from providers.base import LaunchRequest, Location, Market, ProviderError, TransientError
 
 T = TypeVar("T")
@@ -21,7 +21,7 @@ ErrorMap = Callable[[Exception, Location | None, Market | None], ProviderError]
 def call(fn: Callable[[], T], map_error: ErrorMap, location: Location | None = None, market: Market | None = None,
          *, attempts: int = 5, sleep: Callable[[float], None] = time.sleep) -> T:
     """fn(), its SDK errors mapped to typed errors by the cloud's `map_error`; throttling and
-    passing faults (TransientError) retried with orchestrator.retry's backoff."""
+    passing faults (TransientError) retried with orchestrator.common.retry's backoff."""
 
     def attempt() -> T:
         try:

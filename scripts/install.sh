@@ -37,7 +37,7 @@ if [ ! -f .venv-replica/.installed-"$STAMP" ]; then
 import tomllib
 print(" ".join(f"'{d}'" for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["replica"]))
 PY
-  .venv-replica/bin/python -c "import vllm, orchestrator.kv" >/dev/null
+  .venv-replica/bin/python -c "import vllm, orchestrator.replica.kv" >/dev/null
   rm -f .venv-replica/.installed-* && touch .venv-replica/.installed-"$STAMP"
 fi
 step "environments ready"

@@ -59,7 +59,7 @@ def models_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(replica_runtime, models_dir) -> Path:
     out = subprocess.run(
-        [str(replica_runtime), "-m", "orchestrator.demo_model", "--size", "tiny", "--root", str(models_dir)],
+        [str(replica_runtime), "-m", "orchestrator.replica.demo_model", "--size", "tiny", "--root", str(models_dir)],
         capture_output=True, text=True, timeout=600, check=True,
     )
     return Path(out.stdout.strip().splitlines()[-1])

@@ -11,6 +11,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+FAKES = REPO / "tests" / "fakes"  # the shared stand-ins (engines, clouds, stores)
+BENCHMARKS = REPO / "tests" / "benchmarks"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -42,7 +46,7 @@ def wait_for(predicate, timeout: float = 60.0, what: str = "condition", interval
 
 def alive(pid: int) -> bool:
     """Alive and not a zombie (a zombie still answers os.kill(pid, 0)). Read here, not through
-    orchestrator.procs, so a test does not trust the code it checks."""
+    orchestrator.common.procs, so a test does not trust the code it checks."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -70,13 +74,13 @@ def running_daemon(monkeypatch, *, probe_interval_s: float | None = 0.5, keep_se
     stops, and the local cloud's timers are closed."""
     import httpx  # the daemon's stack is heavy: only the tests that run one import it
 
-    from orchestrator.daemon import Daemon, DaemonServer
-    from orchestrator.state import Store
+    from orchestrator.control.daemon import Daemon, DaemonServer
+    from orchestrator.control.store import Store
     from providers.local import LocalProvider
 
-    monkeypatch.setattr("orchestrator.daemon.RECONCILE_INTERVAL_S", 0.5)
+    monkeypatch.setattr("orchestrator.control.daemon.RECONCILE_INTERVAL_S", 0.5)
     if probe_interval_s is not None:
-        monkeypatch.setattr("orchestrator.daemon.PROBE_INTERVAL_S", probe_interval_s)
+        monkeypatch.setattr("orchestrator.control.daemon.PROBE_INTERVAL_S", probe_interval_s)
     daemon = Daemon(store=Store(), **daemon_kwargs)
     server = DaemonServer(daemon, "127.0.0.1", 0)
     server.start_in_thread()

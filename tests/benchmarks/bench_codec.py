@@ -26,8 +26,8 @@ import time
 
 import numpy as np
 
-from orchestrator.kv import isal
-from orchestrator.kv.codec import Codec, aligned_empty
+from orchestrator.replica.kv import isal
+from orchestrator.replica.kv.codec import Codec, aligned_empty
 
 
 def best_pair(baseline, fn, repeats: int) -> tuple[float, float]:

@@ -3,7 +3,7 @@
     .venv/bin/python tests/benchmarks/bench_lb.py [--requests 1500] [--concurrency 8]
 
 Setup (three processes, so that no two of them share a GIL): a fast fake vLLM upstream
-(tests/lb_fake_upstream.py, no token delay), the LB (this script re-run with --serve-lb,
+(tests/fakes/upstream.py, no token delay), the LB (this script re-run with --serve-lb,
 least_load over that one replica) and the client (this process). The same request goes
 either straight to the upstream or through the LB:
 
@@ -35,10 +35,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent.parent))
 
-from lb_fake_upstream import FakeProcess  # noqa: E402
+from tests.fakes.upstream import FakeProcess  # noqa: E402
 
 ROUNDS = 7
 UNARY = {"model": "fake", "prompt": "benchmark prompt", "max_tokens": 16, "temperature": 0}
@@ -46,7 +45,7 @@ STREAM = dict(UNARY, stream=True)
 
 
 def serve_lb(port: int, upstream: str) -> None:
-    from orchestrator.loadbalancer import LoadBalancer, Upstream, serve_forever
+    from orchestrator.lb.proxy import LoadBalancer, Upstream, serve_forever
 
     lb = LoadBalancer("least_load")
     lb.set_replicas([Upstream("r0", upstream)])
@@ -99,7 +98,7 @@ async def throughput(url: str, payload: dict, n: int, concurrency: int) -> float
     """req/s of `concurrency` workers on keep-alive connections, with a lean HTTP/1.1 client
     (the LB's own pooled one): on two cores the load generator competes with the LB for CPU,
     and aiohttp's client alone takes most of a core (as wrk would not); see aiohttp_throughput."""
-    from orchestrator.lb_upstream import UpstreamPool
+    from orchestrator.lb.upstream import UpstreamPool
 
     body = json.dumps(payload).encode()
     headers = {"Content-Type": "application/json"}

@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 
-from orchestrator.market import PriceBook, snapshot_offers
+from orchestrator.control.pricebook import PriceBook, snapshot_offers
 from providers.base import Location, Market, Offer
 
 K = 5

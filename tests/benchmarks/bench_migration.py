@@ -4,7 +4,7 @@ Setup: 6 shard stores (agents) in 3 zones, two vLLM CPU replicas A and B of the 
 model (max_model_len 4096) with SpotKVConnector (k=4, m=2), and the load balancer. A prompt
 of PROMPT_TOKENS random token ids streams greedily through the LB from A. Once the client
 has GENERATED_AT_NOTICE tokens, the notice: B becomes routable and the preemption path the
-daemon's migrator runs is taken (orchestrator.migration): `lb.migrate("a", before_resume=
+daemon's migrator runs is taken (orchestrator.control.migration): `lb.migrate("a", before_resume=
 flush of A's KV)`, so the LB cuts A's stream, A's connector flushes, and the LB continues the
 stream on B from prompt + streamed ids; B's connector loads that prefix from the shards.
 
@@ -41,11 +41,11 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from orchestrator.kv.settings import transfer_config  # noqa: E402
-from orchestrator.loadbalancer import LoadBalancer, Upstream  # noqa: E402
-from orchestrator.migration import connector_stats, flush_kv  # noqa: E402
+from orchestrator.replica.kv.settings import transfer_config  # noqa: E402
+from orchestrator.lb.proxy import LoadBalancer, Upstream  # noqa: E402
+from orchestrator.control.migration import connector_stats, flush_kv  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
-from tests.vllm_procs import Processes, start_vllm, wait_until  # noqa: E402
+from tests.fakes.vllm_procs import Processes, start_vllm, wait_until  # noqa: E402
 
 PROMPT_TOKENS = int(os.environ.get("BENCH_MIGRATION_PROMPT", "2048"))
 MAX_TOKENS = int(os.environ.get("BENCH_MIGRATION_MAX_TOKENS", "300"))
@@ -71,7 +71,7 @@ class Stores:
                  "zone": ZONES[n]} for n, p in self.ports.items()]
 
     def start(self) -> None:
-        procs = {n: self.procs.start(n, ["-m", "orchestrator.agent", "--store-port", str(p), "--secret-file",
+        procs = {n: self.procs.start(n, ["-m", "orchestrator.replica.agent", "--store-port", str(p), "--secret-file",
                                          str(self.secret_file)]) for n, p in self.ports.items()}
         for n, p in self.ports.items():
             wait_until(lambda p=p: httpx.get(f"http://127.0.0.1:{p}/healthz", headers=AUTH, timeout=2)
@@ -164,7 +164,8 @@ def main() -> None:
         return
     import subprocess
 
-    model = subprocess.run([str(python), "-m", "orchestrator.demo_model", "--size", "bench"], capture_output=True,
+    model = subprocess.run([str(python), "-m", "orchestrator.replica.demo_model", "--size", "bench"],
+                           capture_output=True,
                            text=True, check=True, timeout=900, cwd=REPO).stdout.strip().splitlines()[-1]
     rng = random.Random(6)
     prompts = [[rng.randrange(10, 500) for _ in range(PROMPT_TOKENS)] for _ in range(2)]

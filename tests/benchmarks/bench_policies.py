@@ -21,8 +21,8 @@ import os
 import sys
 import time
 
-from orchestrator.paths import traces_dir
-from orchestrator.simulate import SimConfig, expand_trace_dirs, group_label, load_groups, simulate
+from orchestrator.common.paths import traces_dir
+from orchestrator.sim.replay import SimConfig, expand_trace_dirs, group_label, load_groups, simulate
 from policies.base import DEFAULT_POLICY, available_policies, load_policy
 
 LONG_TRACE = "aws-02-15-2023"

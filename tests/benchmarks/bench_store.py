@@ -1,6 +1,6 @@
 """Shard store throughput over loopback vs a plain socket copy of the same bytes; one JSON line.
 
-Store side: 2 shard stores (real agents, `python -m orchestrator.agent`), 4 client threads,
+Store side: 2 shard stores (real agents, `python -m orchestrator.replica.agent`), 4 client threads,
 each putting its share of the volume as batches of 256 KiB shards (8 MiB per request) and
 then getting them all back (batched), checking a sample of the bytes.
 Baseline, same run: 2 plain TCP servers (Python threads doing recv_into/sendall), the same
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.kv.store import StoreClient
+from orchestrator.replica.kv.store import StoreClient
 
 SHARD = 256 << 10
 BATCH = 32  # shards per request: 8 MiB bodies
@@ -77,7 +77,7 @@ def start_stores(secret_file: Path, max_bytes: int) -> tuple[list[subprocess.Pop
     procs, endpoints = [], []
     for _ in range(STORES):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.agent", "--store-port", "0", "--secret-file",
+            [sys.executable, "-m", "orchestrator.replica.agent", "--store-port", "0", "--secret-file",
              str(secret_file), "--max-bytes", str(max_bytes)],
             stderr=subprocess.PIPE, text=True,
         )

@@ -1,0 +1,5 @@
+"""`python -m orchestrator.cli` is `spotctl`."""
+
+from orchestrator.cli.app import main
+
+main()

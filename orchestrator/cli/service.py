@@ -1,0 +1,245 @@
+"""Service verbs: up, status, logs, down, events, chaos, daemon (the `sky serve` surface)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.cli import client as api_client
+from orchestrator.common.errors import UserError
+
+console = Console()
+chaos_app = typer.Typer(help="Inject failures to watch failover happen.", no_args_is_help=True)
+
+
+def _ago(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    secs = max(0, time.time() - ts)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if secs >= size:
+            return f"{secs / size:.0f}{unit} ago"
+    return f"{secs:.0f}s ago"
+
+
+def _duration(secs: float) -> str:
+    secs = int(secs)
+    h, rem = divmod(secs, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def up(
+    spec_file: Path = typer.Argument(..., help="Service YAML (SkyServe-style `service:` + `resources:` + `engine:`)."),
+    name: str = typer.Option(None, "--name", "-n", help="Service name (default: the YAML's `name` or file stem)."),
+    wait: bool = typer.Option(False, "--wait", help="Wait until the service has a READY replica."),
+    timeout: float = typer.Option(900, "--timeout", help="Seconds to wait with --wait."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Start or update a service (starts the daemon in the background when none runs)."""
+    from orchestrator.spec import load_spec
+
+    if not spec_file.exists():
+        raise UserError(f"{spec_file}: no such file")
+    spec = load_spec(spec_file)  # validate here too: errors without a round trip
+    client = api_client.DaemonClient.connect(start=True)
+    result = client.post("/v1/services", json={"yaml": spec_file.read_text(), "name": name or spec.name})
+    if wait:
+        _wait_ready(client, result["name"], timeout, quiet=as_json)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    console.print(f"service [bold]{result['name']}[/] is starting; endpoint {result['endpoint']}")
+    console.print("  watch it:  spotctl status")
+    console.print(f"  try it:    curl {result['endpoint']}/v1/completions -H 'Content-Type: application/json' "
+                  f"-d '{{\"model\": \"{result['name']}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+
+
+def _wait_ready(client: api_client.DaemonClient, name: str, timeout: float, quiet: bool) -> None:
+    deadline = time.monotonic() + timeout
+    with console.status(f"waiting for {name} to become READY", spinner="dots") if not quiet else _null():
+        while time.monotonic() < deadline:
+            svc = client.get(f"/v1/services/{name}")
+            if svc["replicas_ready"] >= 1 and svc["status"] == "READY":
+                return
+            time.sleep(2)
+    raise UserError(f"service {name} not READY after {timeout:.0f}s (see `spotctl status` and `spotctl logs {name}`)")
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def status(
+    service: str = typer.Argument(None, help="Only this service."),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="Add policy and resources."),
+    all_replicas: bool = typer.Option(False, "--all", "-a", help="Include terminated replicas."),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
+) -> None:
+    """Show services and their replicas."""
+    client = api_client.DaemonClient.connect(start=False)
+    services = [client.get(f"/v1/services/{service}")] if service else client.get("/v1/services")
+    terminal = {"TERMINATED", "FAILED", "FAILED_INITIAL_DELAY", "FAILED_PROBING", "FAILED_PROVISION",
+                "FAILED_CLEANUP", "PREEMPTED"}
+    if not all_replicas:
+        for svc in services:
+            # The most recent terminal replicas stay visible: a preemption should be seen.
+            dead = [r for r in svc["replicas"] if r["state"] in terminal][-5:]
+            svc["replicas"] = [r for r in svc["replicas"] if r["state"] not in terminal or r in dead]
+    if as_json:
+        typer.echo(json.dumps(services if not service else services[0], indent=2))
+        return
+    if not services:
+        console.print("no services (start one with `spotctl up service.yaml`)")
+        return
+    st = Table(title="Services", title_justify="left")
+    verbose_cols = ("POLICY", "LB", "RESOURCES") if verbose else ()
+    for col in ("NAME", "STATUS", "REPLICAS", "ENDPOINT", "UPTIME", *verbose_cols):
+        st.add_column(col)
+    for svc in services:
+        row = [svc["name"], svc["status"], f"{svc['replicas_ready']}/{svc['replicas_total']}", svc["endpoint"] or "-",
+               _duration(svc["uptime_s"])]
+        if verbose:
+            row += [svc["policy"], svc["load_balancing_policy"], json.dumps(svc["resources"])]
+        st.add_row(*row)
+    console.print(st)
+    rt = Table(title="Replicas", title_justify="left")
+    for col in ("SERVICE", "ID", "ZONE", "MARKET", "STATUS", "ENDPOINT", "LAUNCHED", "PRICE/H"):
+        rt.add_column(col)
+    for svc in services:
+        for r in svc["replicas"]:
+            price = f"${r['price_per_hour']:.3f}" if r["price_per_hour"] is not None else "-"
+            rt.add_row(svc["name"], r["replica_id"], f"{r['cloud']}/{r['zone']}", r["market"], r["state"],
+                       r["endpoint"] or "-", _ago(r["launched_at"]), price)
+    console.print(rt)
+
+
+def logs(
+    service: str = typer.Argument(..., help="Service name."),
+    replica: str = typer.Argument(None, help="Replica id (default: every replica)."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines."),
+    lines: int = typer.Option(50, "--lines", "-n", help="Lines of history per replica."),
+) -> None:
+    """Print a service's replica logs."""
+    client = api_client.DaemonClient.connect(start=False)
+    entries = client.get(f"/v1/services/{service}/logs")["replicas"]
+    if replica:
+        entries = [e for e in entries if e["replica_id"] == replica]
+        if not entries:
+            raise UserError(f"service {service} has no replica {replica!r}")
+    paths = [(e["replica_id"], Path(e["log_path"])) for e in entries if e["log_path"] and Path(e["log_path"]).exists()]
+    if not paths:
+        raise UserError(f"no logs for {replica or service} on this machine")
+    prefix = len(paths) > 1
+    handles = []
+    for rid, path in paths:
+        f = path.open("r", errors="replace")
+        for line in f.readlines()[-lines:]:
+            typer.echo(f"({rid}) {line}" if prefix else line, nl=False)
+        handles.append((rid, f))
+    while follow:
+        idle = True
+        for rid, f in handles:
+            line = f.readline()
+            while line:
+                idle = False
+                typer.echo(f"({rid}) {line}" if prefix else line, nl=False)
+                line = f.readline()
+        if idle:
+            time.sleep(0.3)
+
+
+def down(
+    services: list[str] = typer.Argument(None, help="Services to tear down."),
+    all_services: bool = typer.Option(False, "--all", "-a", help="Tear down every service."),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until every replica is gone."),
+    timeout: float = typer.Option(120, "--timeout"),
+) -> None:
+    """Tear down services: every replica process/instance is terminated."""
+    if not services and not all_services:
+        raise UserError("name a service, or pass --all")
+    client = api_client.DaemonClient.connect(start=False)
+    names = [s["name"] for s in client.get("/v1/services")] if all_services else list(services)
+    for name in names:
+        client.delete(f"/v1/services/{name}")
+    deadline = time.monotonic() + timeout
+    pending = set(names)
+    while wait and pending and time.monotonic() < deadline:
+        remaining = {s["name"] for s in client.get("/v1/services")}
+        pending &= remaining
+        if pending:
+            time.sleep(0.5)
+    if wait and pending:
+        raise UserError(f"still shutting down after {timeout:.0f}s: {', '.join(sorted(pending))}")
+    for name in names:
+        console.print(f"service {name}: {'down' if wait else 'shutting down'}")
+
+
+def events(
+    service: str = typer.Argument(None, help="Only this service."),
+    limit: int = typer.Option(50, "--limit", "-n"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Recent events: transitions, launches, notices, preemptions, capacity errors."""
+    client = api_client.DaemonClient.connect(start=False)
+    rows = client.get("/v1/events", params={"service": service, "limit": limit} if service else {"limit": limit})
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="Events", title_justify="left")
+    for col in ("TIME", "SERVICE", "REPLICA", "KIND", "ZONE", "MESSAGE"):
+        table.add_column(col)
+    for e in rows:
+        table.add_row(time.strftime("%H:%M:%S", time.localtime(e["at"])), e["service"] or "-", e["replica_id"] or "-",
+                      e["kind"], e["zone"] or "-", e["message"])
+    console.print(table)
+
+
+@chaos_app.command("preempt")
+def chaos_preempt(
+    replica: str = typer.Argument(None, help="Replica id to preempt."),
+    zone: str = typer.Option(None, "--zone", help="Preempt every live replica in this zone."),
+    grace: float = typer.Option(30, "--grace", min=0, help="Seconds between the notice and the kill."),
+    service: str = typer.Option(None, "--service", help="Limit --zone to one service."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Send a preemption notice, then kill at the deadline (local cloud: SIGKILL)."""
+    if bool(replica) == bool(zone):
+        raise UserError("give a replica id or --zone ZONE (exactly one)")
+    client = api_client.DaemonClient.connect(start=False)
+    result = client.post("/v1/chaos/preempt", json={"replica_id": replica, "zone": zone, "grace_s": grace,
+                                                   "service": service})
+    if as_json:
+        typer.echo(json.dumps(result))
+    else:
+        console.print(f"notice sent to {', '.join(result['preempted'])}; killed in {grace:.0f}s")
+
+
+def daemon(
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(api_client.DEFAULT_PORT, "--port",
+                             help="API port (0 = any free port)."),
+) -> None:
+    """Run the control plane in the foreground (jobs + HTTP API)."""
+    from orchestrator.control.daemon import serve
+
+    serve(host, port)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(up)
+    app.command()(status)
+    app.command()(logs)
+    app.command()(down)
+    app.command()(events)
+    app.command()(daemon)
+    app.add_typer(chaos_app, name="chaos")

@@ -1,0 +1,220 @@
+"""The daemon's HTTP API (FastAPI). Every route but /v1/health needs the bearer token.
+
+Routes (JSON in and out; errors are {"detail": "<one line>"}):
+    GET    /v1/health
+    POST   /v1/services                 {"yaml": "<service YAML>", "name": optional}
+    GET    /v1/services                 services with their replicas
+    GET    /v1/services/{name}
+    DELETE /v1/services/{name}          start `down` (poll GET until 404)
+    GET    /v1/services/{name}/stores   the KV shard stores of the service's live replicas
+    GET    /v1/services/{name}/logs     where each replica's log is (the CLI reads them)
+    GET    /v1/events                   ?service=&limit=&since=
+    POST   /v1/notices                  {"instance_id", "kind", "deadline", "source"} (agents)
+    POST   /v1/chaos/preempt            {"replica_id" | "zone", "grace_s"}
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from orchestrator.control import auth
+from orchestrator.common.errors import UserError
+from orchestrator.fleet.lifecycle import ReplicaState
+from orchestrator.control.launch import kv_secret_file
+from orchestrator.spec import ServiceSpec, load_spec
+from orchestrator.control.store import ReplicaRow, ServiceRow
+from policies.base import DEFAULT_POLICY
+from providers.base import Notice, NoticeKind
+
+
+class ServiceUp(BaseModel):
+    yaml: str = Field(min_length=1)
+    name: str | None = None
+
+
+class NoticeIn(BaseModel):
+    instance_id: str = Field(min_length=1)
+    kind: NoticeKind = NoticeKind.PREEMPT
+    deadline: float
+    source: str = "agent"
+
+
+class ChaosPreempt(BaseModel):
+    replica_id: str | None = None
+    zone: str | None = None
+    service: str | None = None
+    grace_s: float = Field(default=30.0, ge=0)
+
+
+def replica_json(r: ReplicaRow) -> dict[str, Any]:
+    return {
+        "replica_id": r.replica_id,
+        "service": r.service,
+        "state": r.state,
+        "cloud": r.cloud,
+        "region": r.region,
+        "zone": r.zone,
+        "market": r.market,
+        "instance_id": r.instance_id,
+        "instance_type": r.instance_type,
+        "endpoint": r.endpoint,
+        "agent_endpoint": r.agent_endpoint,
+        "control_endpoint": r.control_endpoint,
+        "price_per_hour": r.price_per_hour,
+        "launched_at": r.launched_at,
+        "ready_at": r.ready_at,
+        "notice_deadline": r.notice_deadline,
+        "status_message": r.status_message,
+    }
+
+
+def resolved_policy_name(name: str) -> str:
+    return f"{DEFAULT_POLICY} (default)" if name in ("default", DEFAULT_POLICY) else name
+
+
+def service_json(row: ServiceRow, replicas: list[ReplicaRow]) -> dict[str, Any]:
+    spec = ServiceSpec.from_json(row.spec_json)
+    return {
+        "name": row.name,
+        "status": row.status,
+        "endpoint": row.endpoint,
+        "replicas_ready": sum(1 for r in replicas if r.state == ReplicaState.READY.value),
+        "replicas_total": sum(1 for r in replicas),
+        "uptime_s": time.time() - row.created_at,
+        "created_at": row.created_at,
+        "policy": resolved_policy_name(spec.service.placement_policy),
+        "load_balancing_policy": spec.service.load_balancing_policy,
+        "resources": spec.to_dict().get("resources", {}),
+        "replicas": [replica_json(r) for r in replicas],
+    }
+
+
+def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon (no import cycle)
+    app = FastAPI(title="spot-orchestrator daemon", docs_url=None, redoc_url=None)
+
+    def presented_token(request: Request) -> str | None:
+        header = request.headers.get("authorization", "")
+        return header[7:] if header.lower().startswith("bearer ") else None
+
+    def require_token(request: Request) -> None:
+        if not auth.token_matches(presented_token(request), daemon.token):
+            raise HTTPException(401, "missing or wrong bearer token (see the token file in the state directory)")
+
+    def require_replica_credential(request: Request) -> None:
+        """Replicas report notices and read their service's shard stores with the service's
+        KV secret: a replica machine never holds the daemon's admin token."""
+        presented = presented_token(request)
+        if auth.token_matches(presented, daemon.token):
+            return
+        for row in daemon.store.list_services():
+            secret = kv_secret_file(row.name)
+            if secret.exists() and auth.token_matches(presented, secret.read_text().strip()):
+                return
+        raise HTTPException(401, "missing or wrong bearer token (the daemon token or the service's KV secret)")
+
+    @app.exception_handler(UserError)
+    async def user_error(_: Request, err: UserError) -> JSONResponse:
+        return JSONResponse({"detail": str(err)}, status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        return JSONResponse({"detail": f"{where}: {first.get('msg')}"}, status_code=422)
+
+    @app.get("/v1/health")
+    def health() -> dict:
+        return {"status": "ok", "pid": __import__("os").getpid(), "started_at": daemon.started_at}
+
+    auth_dep = [Depends(require_token)]
+
+    @app.post("/v1/services", dependencies=auth_dep)
+    def up(body: ServiceUp) -> dict:
+        spec = load_spec(body.yaml)
+        if body.name:
+            spec = ServiceSpec.from_json(json.dumps({**spec.to_dict(), "name": body.name}))
+        return daemon.apply_spec(spec)
+
+    @app.get("/v1/services", dependencies=auth_dep)
+    def services() -> list[dict]:
+        return [
+            service_json(row, daemon.store.list_replicas(row.name, include_terminal=True))
+            for row in daemon.store.list_services()
+        ]
+
+    def get_row(name: str) -> ServiceRow:
+        row = daemon.store.get_service(name)
+        if row is None:
+            raise HTTPException(404, f"no service named {name!r}")
+        return row
+
+    @app.get("/v1/services/{name}", dependencies=auth_dep)
+    def service(name: str) -> dict:
+        row = get_row(name)
+        return service_json(row, daemon.store.list_replicas(name, include_terminal=True))
+
+    @app.delete("/v1/services/{name}", dependencies=auth_dep)
+    def down(name: str) -> dict:
+        get_row(name)
+        daemon.down(name)
+        return {"name": name, "status": "SHUTTING_DOWN"}
+
+    replica_dep = [Depends(require_replica_credential)]
+
+    @app.get("/v1/services/{name}/stores", dependencies=replica_dep)
+    def stores(name: str) -> dict:
+        get_row(name)
+        live = [
+            r
+            for r in daemon.store.list_replicas(name)
+            if r.agent_endpoint and r.state not in (ReplicaState.SHUTTING_DOWN.value,)
+        ]
+        return {
+            "stores": [
+                {"node_id": r.replica_id, "endpoint": r.agent_endpoint, "cloud": r.cloud, "region": r.region,
+                 "zone": r.zone}
+                for r in live
+            ]
+        }
+
+    @app.get("/v1/services/{name}/logs", dependencies=auth_dep)
+    def logs(name: str) -> dict:
+        get_row(name)
+        out = []
+        for r in daemon.store.list_replicas(name, include_terminal=True):
+            provider = daemon.providers.get(r.cloud)
+            has_logs = provider is not None and r.instance_id and hasattr(provider, "log_path")
+            path = provider.log_path(r.instance_id) if has_logs else None
+            out.append({"replica_id": r.replica_id, "state": r.state, "log_path": str(path) if path else None})
+        return {"replicas": out}
+
+    @app.get("/v1/events", dependencies=auth_dep)
+    def events(service: str | None = None, limit: int = 100, since: float | None = None) -> list[dict]:
+        rows = daemon.store.list_events(service=service, since=since, limit=limit)
+        return [
+            {"id": e.id, "at": e.at, "service": e.service, "replica_id": e.replica_id, "kind": e.kind,
+             "zone": e.zone, "market": e.market, "message": e.message}
+            for e in rows
+        ]
+
+    @app.post("/v1/notices", dependencies=replica_dep)
+    def notice(body: NoticeIn) -> dict:
+        handled = daemon.migrator.on_notice(
+            Notice(instance_id=body.instance_id, kind=body.kind, deadline=body.deadline, source=body.source)
+        )
+        return {"accepted": True, "replica_id": handled}
+
+    @app.post("/v1/chaos/preempt", dependencies=auth_dep)
+    def chaos(body: ChaosPreempt) -> dict:
+        if bool(body.replica_id) == bool(body.zone):
+            raise UserError("chaos preempt: give exactly one of a replica id or --zone")
+        return {"preempted": daemon.migrator.chaos_preempt(body.replica_id, body.zone, body.grace_s, body.service)}
+
+    return app

@@ -1,0 +1,371 @@
+"""The long-running control plane: APScheduler jobs + the HTTP API, nothing else.
+
+Each job calls one function of the library (STYLE.md: the daemon stays small):
+    reconcile  every 2 s   Controller.reconcile() for each service
+    probe      every 2 s   Controller.probe() for each service
+    prices     per cloud   market.refresh_prices() (where a price book is configured)
+All state is in the store; a restarted daemon rebuilds controllers, load balancers and
+policies from it (policies by replaying the events table).
+
+    python -m orchestrator.control.daemon [--host 127.0.0.1] [--port 8470]    (= `spotctl daemon`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import uvicorn
+from apscheduler.executors.pool import ThreadPoolExecutor as APThreadPool
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from orchestrator.cli import client as api_client
+
+from orchestrator.control import auth
+
+from orchestrator.common import paths
+from orchestrator.control.controller import Controller
+from orchestrator.common.errors import UserError
+from orchestrator.lb.proxy import LoadBalancer
+from orchestrator.control.pricebook import PriceBook, refresh_prices
+from orchestrator.control.migration import Migrator
+from orchestrator.control.launch import ReplicaLauncher
+from orchestrator.spec import ServiceSpec
+from orchestrator.control.store import ServiceStatus, Store
+from policies.base import PlacementPolicy, UnknownPolicyError, load_policy
+from providers.base import Offers, Provider
+
+log = logging.getLogger("orchestrator.control.daemon")
+
+RECONCILE_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_RECONCILE_S", "2"))
+PROBE_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_PROBE_S", "2"))
+PRICES_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_PRICES_S", "600"))
+# A reconcile or probe pass longer than this is logged once, with its time: every pass of the
+# same job waits for it, and notices wait for the controller's lock it holds. (A cloud launch
+# inside a reconcile takes seconds; five skipped 2 s intervals are worth a line.)
+SLOW_PASS_S = 10.0
+
+
+class _QuietSkips(logging.Filter):
+    """apscheduler warns at every interval that a job still running was skipped (one line per
+    2 s during a slow cloud launch); `_timed` says it once instead, with the time it took."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "maximum number of running instances" not in record.getMessage()
+
+
+logging.getLogger("apscheduler.scheduler").addFilter(_QuietSkips())
+
+
+def _timed(what: str, step: Callable[[], object]) -> None:
+    started = time.monotonic()
+    try:
+        step()
+    finally:
+        took = time.monotonic() - started
+        if took > SLOW_PASS_S:
+            log.warning("%s took %.0fs; the passes due meanwhile were skipped", what, took)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def make_provider(cloud: str) -> Provider:
+    """The provider of a cloud, constructed on first use (SDK clients are not free)."""
+    if cloud == "local":
+        from providers.local import LocalProvider
+
+        return LocalProvider()
+    if cloud == "aws":
+        from providers.aws import AWSProvider
+
+        return AWSProvider()
+    if cloud == "gcp":
+        from providers.gcp import GCPProvider
+
+        return GCPProvider()
+    if cloud == "azure":
+        from providers.azure import AzureProvider
+
+        return AzureProvider()
+    raise UserError(f"resources.cloud: unknown cloud {cloud!r}; expected local, aws, gcp or azure")
+
+
+class Daemon:
+    def __init__(
+        self,
+        store: Store | None = None,
+        host: str = "127.0.0.1",
+        provider_factory: Callable[[str], Provider] = make_provider,
+        launcher: ReplicaLauncher | None = None,
+        policy_factory: Callable[[str], PlacementPolicy] = load_policy,
+    ):
+        self.store = store or Store()
+        self.launcher = launcher
+        self.policy_factory = policy_factory
+        self.host = host
+        self.url = ""
+        self.token = auth.load_or_create_token()
+        self._provider_factory = provider_factory
+        self.providers: dict[str, Provider] = {}
+        self.controllers: dict[str, Controller] = {}
+        self.lbs: dict[str, LoadBalancer] = {}
+        self.migrator = Migrator(self)
+        self.book = PriceBook()  # live quotes of the real clouds in use (the local cloud prices itself)
+        self._lock = threading.RLock()
+        self.started_at = time.time()
+        self.scheduler = BackgroundScheduler(executors={"default": APThreadPool(8)}, job_defaults={"coalesce": True})
+
+    # ---- services -----------------------------------------------------------------------
+
+    def provider(self, cloud: str) -> Provider:
+        with self._lock:
+            if cloud not in self.providers:
+                self.providers[cloud] = self._provider_factory(cloud)
+            return self.providers[cloud]
+
+    def spec_cloud(self, spec: ServiceSpec) -> str:
+        clouds = {loc.cloud for loc in spec.candidate_locations(known=self._local_locations(spec))}
+        if len(clouds) > 1:
+            raise UserError("resources: replicas across several clouds need one provider each; not supported yet")
+        return clouds.pop() if clouds else (spec.resources.cloud or "local")
+
+    def _local_locations(self, spec: ServiceSpec):
+        if (spec.resources.cloud or "local") == "local" or any(r.cloud == "local" for r in spec.resources.any_of):
+            return self.provider("local").locations()  # type: ignore[attr-defined]
+        return None
+
+    def apply_spec(self, spec: ServiceSpec) -> dict:
+        """Create or update a service; returns its summary. Idempotent."""
+        with self._lock:
+            cloud = self.spec_cloud(spec)
+            try:
+                self.policy_factory(spec.service.placement_policy)  # refuse before anything is stored
+            except UnknownPolicyError as err:
+                raise UserError(f"service.placement_policy: {err}") from None
+            existing = self.store.get_service(spec.name)
+            if existing is not None and existing.status == ServiceStatus.SHUTTING_DOWN:
+                raise UserError(f"service {spec.name!r} is shutting down; wait for `spotctl down` to finish")
+            port = (existing.lb_port if existing else None) or spec.service.ports or free_port(self.host)
+            endpoint = f"http://{self.host}:{port}"
+            self.store.create_or_update_service(spec.name, spec.to_json(), endpoint=endpoint, lb_port=port)
+            if spec.name in self.controllers:  # an update: new spec, same fleet
+                self.controllers[spec.name].close()
+                del self.controllers[spec.name]
+            self._start_service(spec.name, cloud)
+            self.store.record_event("service_up", service=spec.name, message=f"endpoint {endpoint}")
+        threading.Thread(target=self.reconcile_service, args=(spec.name,), daemon=True).start()
+        return {"name": spec.name, "endpoint": endpoint}
+
+    def _start_service(self, name: str, cloud: str) -> None:
+        row = self.store.get_service(name)
+        spec = ServiceSpec.from_json(row.spec_json)
+        lb = self.lbs.get(name)
+        if lb is None:
+            lb = LoadBalancer(policy=spec.service.load_balancing_policy)
+            lb.start(self.host, row.lb_port)
+            self.lbs[name] = lb
+        controller = Controller(
+            name,
+            self.store,
+            self.provider(cloud),
+            self.launcher or ReplicaLauncher(daemon_url=self.url or None),
+            offers=None if cloud == "local" else self._book_offers(spec, cloud),
+            policy=self.policy_factory(spec.service.placement_policy),
+            on_upstreams=lb.set_replicas,
+            on_notice=self.migrator.on_notice,
+        )
+        self.controllers[name] = controller
+        controller.publish_upstreams()
+
+    def _book_offers(self, spec: ServiceSpec, cloud: str) -> Callable[[], Offers]:
+        """A real cloud's quotes come from the price book the prices job keeps fresh (asking
+        the cloud's price API on every 2 s reconcile would be slow and throttled)."""
+        acc = spec.accelerator
+
+        def offers() -> Offers:
+            quotes = self.book.offers(acc.name if acc else None, acc.count if acc else None, clouds=[cloud])
+            if not quotes:  # no refresh yet: the provider itself, once, to seed the book
+                self.book.update(self.provider(cloud).offers())
+                quotes = self.book.offers(acc.name if acc else None, acc.count if acc else None, clouds=[cloud])
+            return quotes
+
+        return offers
+
+    def refresh_prices(self) -> int:
+        clouds = {name: p for name, p in list(self.providers.items()) if name != "local"}
+        return refresh_prices(clouds, self.book, self.store) if clouds else 0
+
+    def restore_services(self) -> None:
+        """After a restart: a controller and a load balancer for every stored service."""
+        for row in self.store.list_services():
+            try:
+                self._start_service(row.name, self.spec_cloud(ServiceSpec.from_json(row.spec_json)))
+            except Exception as err:  # one broken service must not keep the others down
+                log.error("service %s could not be restored: %s", row.name, err)
+
+    def down(self, name: str) -> None:
+        with self._lock:
+            if self.store.get_service(name) is None:
+                raise UserError(f"no service named {name!r}")
+            self.store.update_service(name, status=ServiceStatus.SHUTTING_DOWN)
+            self.store.record_event("service_down", service=name, message="shutting down")
+        threading.Thread(target=self.reconcile_service, args=(name,), daemon=True).start()
+
+    def _finish_down(self, name: str) -> None:
+        controller = self.controllers.get(name)
+        if controller is not None and not controller.finished_shutting_down():
+            return
+        with self._lock:
+            if controller is not None:
+                controller.close()
+            self.controllers.pop(name, None)
+            lb = self.lbs.pop(name, None)
+            if lb is not None:
+                lb.stop()
+            self.store.delete_service(name)
+            self.store.record_event("service_deleted", service=name, message="all replicas terminated")
+
+    # ---- jobs -------------------------------------------------------------------------
+
+    def reconcile_service(self, name: str) -> None:
+        controller = self.controllers.get(name)
+        try:
+            if controller is None:  # a service whose controller could not start: only `down` works
+                row = self.store.get_service(name)
+                if row is not None and row.status == ServiceStatus.SHUTTING_DOWN:
+                    self._finish_down(name)
+                return
+            _timed(f"reconcile of {name}", controller.reconcile)
+            row = self.store.get_service(name)
+            if row is not None and row.status == ServiceStatus.SHUTTING_DOWN:
+                self._finish_down(name)
+        except Exception:
+            log.exception("reconcile of %s failed", name)
+
+    def reconcile_all(self) -> None:
+        for name in list(self.controllers):
+            self.reconcile_service(name)
+
+    def probe_all(self) -> None:
+        for name, controller in list(self.controllers.items()):
+            try:
+                _timed(f"probe of {name}", controller.probe)
+            except Exception:
+                log.exception("probe of %s failed", name)
+
+    def start_jobs(self) -> None:
+        self.scheduler.add_job(self.reconcile_all, "interval", seconds=RECONCILE_INTERVAL_S, id="reconcile",
+                               max_instances=1)
+        self.scheduler.add_job(self.probe_all, "interval", seconds=PROBE_INTERVAL_S, id="probe", max_instances=1)
+        self.scheduler.add_job(self.refresh_prices, "interval", seconds=PRICES_INTERVAL_S, id="prices",
+                               max_instances=1)
+        self.scheduler.start()
+
+    def shutdown(self) -> None:
+        """Stop jobs and load balancers; replicas keep running (a restart adopts them)."""
+        if self.scheduler.running:
+            self.scheduler.shutdown(wait=False)
+        for lb in self.lbs.values():
+            lb.stop()
+        for controller in self.controllers.values():
+            controller.close()
+        for provider in self.providers.values():
+            provider.close()
+
+
+def write_daemon_info(url: str) -> None:
+    path = api_client.daemon_info_path()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "url": url, "started_at": time.time()}))
+    os.replace(tmp, path)
+
+
+class DaemonServer:
+    """The daemon's API server plus its jobs; `run()` in the foreground, or a thread (tests)."""
+
+    def __init__(self, daemon: Daemon, host: str = "127.0.0.1", port: int = 0):
+        from orchestrator.control.api import create_app
+
+        self.daemon = daemon
+        port = port or free_port(host)
+        daemon.url = f"http://{host}:{port}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(create_app(daemon), host=host, port=port, log_level="warning", lifespan="off")
+        )
+        self._thread: threading.Thread | None = None
+
+    def _on_started(self) -> None:
+        while not self.server.started:
+            if self.server.should_exit:
+                return
+            time.sleep(0.05)
+        write_daemon_info(self.daemon.url)
+        self.daemon.restore_services()
+        self.daemon.start_jobs()
+        log.info("daemon listening on %s (state in %s)", self.daemon.url, paths.home())
+
+    def run(self) -> None:
+        threading.Thread(target=self._on_started, daemon=True).start()
+        try:
+            self.server.run()
+        finally:
+            self._cleanup()
+
+    def start_in_thread(self, timeout: float = 30.0) -> None:
+        self._thread = threading.Thread(target=self.server.run, daemon=True)
+        self._thread.start()
+        self._on_started()
+        if not self.server.started:
+            raise RuntimeError("daemon API did not start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        self.daemon.shutdown()
+        info = api_client.read_daemon_info()
+        if info and info.get("pid") == os.getpid():
+            api_client.daemon_info_path().unlink(missing_ok=True)
+
+
+def serve(host: str = "127.0.0.1", port: int = api_client.DEFAULT_PORT) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    running = api_client.running_daemon_url()
+    if running:
+        raise UserError(f"a daemon is already running at {running}")
+    server = DaemonServer(Daemon(host=host), host, port)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server.server, "should_exit", True))
+    server.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spotctl daemon")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=api_client.DEFAULT_PORT)
+    opts = parser.parse_args(argv)
+    try:
+        serve(opts.host, opts.port)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""notice -> drain -> flush KV -> resume in-flight requests elsewhere (the preemption path).
+
+Steps 1-3 of DESIGN.md's preemption path, in the order that keeps clients unaware:
+1. the load balancer drains the replica (no new request from that instant, whatever replica
+   set the controller publishes later), then the controller marks it DRAINING and the policy
+   is asked for a replacement at once, not at the next tick: a notice is the cheapest moment
+   to start a cold start. The LB goes first because the controller's lock may be held by a
+   reconcile pass talking to a cloud API, and steps 2-3 need nothing from the controller;
+2. the load balancer cuts the replica's in-flight streams. From then on the client has no
+   token the replica has not already generated, and each of those tokens' full blocks was
+   handed to the replica's KV saver in the step that computed it;
+3. the replica's connector pushes what it has not yet stored (flush), and only then does the
+   load balancer continue each cut stream on a healthy replica from the tokens already
+   streamed; that replica loads the prefix from the shard stores and recomputes at most the
+   last partial block. Flushing before the cut would leave the blocks completed between the
+   flush and the cut unstored, and the continuation would recompute them.
+A notice whose deadline has already passed is an immediate loss: no flush (the replica may
+be gone), the instance is ended now, and the streams continue from whatever the stores have.
+At the deadline the instance dies; the controller observes it and marks it PREEMPTED.
+
+What the healthy replicas' connectors loaded and recomputed for the continuations goes to
+the service's load-balancer /metrics (spot_migration_*), next to the LB's own seam metrics.
+Each continuation carries an X-Request-Id from the LB that vLLM keeps in its request id, so
+the connectors' records of exactly those requests are summed, whatever else the replicas
+admitted meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client import Counter, Histogram
+
+from orchestrator.fleet import decisions
+from orchestrator.lb.continuation import seam_id_in
+from orchestrator.common.errors import UserError
+from orchestrator.fleet.lifecycle import ReplicaState, is_alive
+from orchestrator.control.store import ReplicaRow
+from providers.base import Notice, NoticeKind
+
+log = logging.getLogger(__name__)
+
+FLUSH_TIMEOUT_S = 10.0  # a flush longer than this costs the clients more than a recompute
+RESUME_TIMEOUT_S = 300.0  # CPU replicas under load can take minutes to admit a long prefix
+STATS_TIMEOUT_S = 5.0
+OUTCOME_WAIT_S = 30.0
+MIGRATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class MigrationMetrics:
+    """The preemption path's counters, registered in the service load balancer's registry
+    so one scrape of the service endpoint's /metrics shows seams and KV outcomes together."""
+
+    def __init__(self, registry):
+        self.notices = Counter("spot_migration_notices", "Notices acted on", ["outcome"], registry=registry)
+        self.flushes = Counter("spot_migration_flushes", "KV flushes of noticed replicas", ["result"],
+                               registry=registry)
+        self.requests = Counter("spot_migration_requests", "In-flight requests of noticed replicas", ["result"],
+                                registry=registry)
+        self.loaded_tokens = Counter("spot_migration_kv_loaded_tokens",
+                                     "Prompt tokens the continuations loaded from the shard stores", registry=registry)
+        self.recomputed_tokens = Counter("spot_migration_kv_recomputed_tokens",
+                                         "Prompt tokens the continuations had to recompute", registry=registry)
+        self.seconds = Histogram("spot_migration_seconds", "From the notice to every cut request resumed",
+                                 buckets=MIGRATION_BUCKETS, registry=registry)
+
+
+@dataclass(frozen=True)
+class KVOutcome:
+    """What the connectors admitted for a migration's continuations."""
+
+    requests: int = 0
+    loaded_tokens: int = 0
+    recomputed_tokens: int = 0
+    max_recomputed: int = 0
+
+
+def flush_kv(http: httpx.Client, control_endpoint: str, auth: dict[str, str], timeout_s: float) -> bool:
+    """POST the connector's /v1/flush: True once every full block it had is stored."""
+    try:
+        r = http.post(f"{control_endpoint}/v1/flush", params={"timeout_s": f"{timeout_s:.1f}"}, headers=auth,
+                      timeout=timeout_s + 5)
+        return r.status_code == 200
+    except httpx.HTTPError as err:
+        log.warning("flush of %s failed: %s (continuations will recompute)", control_endpoint, err)
+        return False
+
+
+def connector_stats(http: httpx.Client, control_endpoint: str, auth: dict[str, str]) -> dict | None:
+    """The connector's GET /v1/stats (counters and recent admissions), None when unreachable."""
+    try:
+        r = http.get(f"{control_endpoint}/v1/stats", headers=auth, timeout=STATS_TIMEOUT_S)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _drains(state: ReplicaState) -> bool:
+    """Whether a notice for a replica in this state moves its streams: one that serves or may
+    (a repeat for one already DRAINING is deduplicated by the caller), not one already gone."""
+    return state is ReplicaState.DRAINING or decisions.notice_arrived(state).state is ReplicaState.DRAINING
+
+
+class Migrator:
+    def __init__(self, daemon):  # orchestrator.control.daemon.Daemon
+        self.daemon = daemon
+        self._http = httpx.Client(timeout=FLUSH_TIMEOUT_S + 5)
+        self._metrics: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._metrics_lock = threading.Lock()
+        self.last_outcome: dict[str, KVOutcome] = {}  # replica id -> what its continuations got
+        self._noticed: set[str] = set()  # replicas whose migration has begun (once per replica)
+        self._notices_lock = threading.Lock()  # one batch of notices acted on at a time
+
+    def metrics(self, lb) -> MigrationMetrics:
+        with self._metrics_lock:
+            if lb not in self._metrics:
+                self._metrics[lb] = MigrationMetrics(lb.metrics.registry)
+            return self._metrics[lb]
+
+    def _first_notice(self, replica_id: str) -> bool:
+        """True once per replica: the same notice can arrive twice at once (the API's chaos
+        call and the reconcile loop reading the cloud's feed), and one migration is enough."""
+        with self._metrics_lock:
+            if replica_id in self._noticed:
+                return False
+            self._noticed.add(replica_id)
+            return True
+
+    def _replica_for_instance(self, instance_id: str) -> ReplicaRow | None:
+        for name in list(self.daemon.controllers):
+            for r in self.daemon.store.list_replicas(name):
+                if r.instance_id == instance_id:
+                    return r
+        return None
+
+    # ---- the notice ----------------------------------------------------------------------
+
+    def on_notice(self, notice: Notice) -> str | None:
+        """Handle one notice (from an agent, a cloud feed or chaos); the replica id or None.
+        Returns at once: the replacement and the migration run in the background."""
+        return self.on_notices([notice])[0]
+
+    def on_notices(self, notices: list[Notice]) -> list[str | None]:
+        """Several notices at once (a correlated loss): every replica is drained on the load
+        balancer before any stream is cut, so no continuation lands on a replica about to be
+        cut itself.
+
+        The load balancer acts first, the controller second: the controller's lock can be
+        held for seconds by a reconcile pass that is launching through a cloud API, and the
+        streams of a warned replica must not run on (and finish unmigrated) meanwhile."""
+        with self._notices_lock:
+            found, services = self._move_streams(notices)
+        return self._record_notices(found, services)
+
+    def _move_streams(self, notices: list[Notice]) -> tuple[list[tuple[Notice, ReplicaRow | None]], list[str]]:
+        """Drain the noticed replicas on their LBs and start their migrations (nothing here
+        waits for a controller). Under `_notices_lock`, so a batch that chaos injects is not
+        split by the reconcile loop reading the same notices from the cloud's feed."""
+        received = time.monotonic()
+        found = [(notice, self._replica_for_instance(notice.instance_id)) for notice in notices]
+        moving = [(r, n) for n, r in found if r is not None and _drains(r.replica_state)
+                  and self._first_notice(r.replica_id)]
+        services = sorted({r.service for r, _n in moving})
+        for service in services:
+            batch = [(r, n) for r, n in moving if r.service == service]
+            lb = self.daemon.lbs.get(service)
+            if lb is not None:
+                lb.drain([r.replica_id for r, _n in batch])
+            for r, n in batch:
+                log.info("notice for %s (deadline in %.1fs): draining", r.replica_id, n.deadline - time.time())
+            threading.Thread(target=self._migrate, args=(service, batch, received), daemon=True,
+                             name=f"migrate-{service}").start()
+        return found, services
+
+    def _record_notices(self, found: list[tuple[Notice, ReplicaRow | None]], services: list[str]) -> list[str | None]:
+        """The controllers' part: DRAINING in the store, the notice event, the policy told, and
+        the replacements asked for now. Outside `_notices_lock`: a reconcile pass holding its
+        controller's lock may be waiting for that one."""
+        out = []
+        for notice, row in found:  # DRAINING in the store, the notice event, the policy told
+            controller = self.daemon.controllers.get(row.service) if row is not None else None
+            replica = controller.handle_notice(notice) if controller is not None else None
+            out.append(replica.replica_id if replica else None)
+        for service in services:  # the replacements, without waiting a tick
+            threading.Thread(target=self.daemon.reconcile_service, args=(service,), daemon=True).start()
+        return out
+
+    def _migrate(self, service: str, batch: list[tuple[ReplicaRow, Notice]], received: float) -> None:
+        """Move the streams of the noticed replicas of one service (one at a time would let
+        one's continuations land on the next)."""
+        lb = self.daemon.lbs.get(service)
+        if lb is None:
+            return
+        metrics = self.metrics(lb)
+        victims = {r.replica_id for r, _n in batch}
+        started = [(replica, *self._start(lb, metrics, replica, notice)) for replica, notice in batch]
+        results = []
+        for replica, future, lost, end_now in started:
+            try:
+                results.append((replica, lost, future.result(timeout=RESUME_TIMEOUT_S + 60)))
+            except Exception:
+                log.exception("migrating the requests of %s failed", replica.replica_id)
+            finally:
+                if end_now is not None:
+                    end_now()  # also when nothing was in flight (the LB then runs no hook)
+        if not results:
+            return
+        took = time.monotonic() - received
+        metrics.seconds.observe(took)
+        for _r, _l, result in results:
+            metrics.requests.labels("resumed").inc(result.resumed)
+            metrics.requests.labels("failed").inc(result.failed)
+        continuations = {sid for _r, _l, result in results for sid in result.continuation_ids}
+        peers = [r for r in self._peers(service) if r.replica_id not in victims]  # where they may have landed
+        outcome = self._kv_outcome(peers, continuations) if continuations and peers else KVOutcome()
+        metrics.loaded_tokens.inc(outcome.loaded_tokens)
+        metrics.recomputed_tokens.inc(outcome.recomputed_tokens)
+        for replica, lost, result in results:
+            self.last_outcome[replica.replica_id] = outcome
+            together = f" (KV for all {len(results)} replicas noticed together)" if len(results) > 1 else ""
+            self.daemon.store.record_event(
+                "migration", service=service, replica_id=replica.replica_id, location=replica.location,
+                market=replica.market_enum,
+                message=(f"{result.resumed}/{result.requests} streams continued elsewhere in {took:.1f}s; "
+                         f"KV loaded {outcome.loaded_tokens} tokens, recomputed {outcome.recomputed_tokens}"
+                         + together + (" (deadline already passed)" if lost else "")),
+                data={"requests": result.requests, "resumed": result.resumed, "failed": result.failed,
+                      "loaded_tokens": outcome.loaded_tokens, "recomputed_tokens": outcome.recomputed_tokens,
+                      "max_recomputed_tokens": outcome.max_recomputed, "continuations": outcome.requests,
+                      "seconds": round(took, 3), "lost": lost, "batch": sorted(victims)},
+            )
+
+    def _start(self, lb, metrics: MigrationMetrics, replica: ReplicaRow, notice: Notice):
+        """lb.migrate() for one replica: (its future, lost, the hook that ends it now or None)."""
+        lost = notice.deadline <= time.time()
+        metrics.notices.labels("lost" if lost else "drained").inc()
+        ended = threading.Event()
+
+        def flush() -> None:
+            ok = self.flush(replica, timeout_s=max(0.5, min(FLUSH_TIMEOUT_S, notice.deadline - time.time())))
+            metrics.flushes.labels("ok" if ok else "failed").inc()
+
+        def end_now() -> None:
+            """A passed deadline: nothing to flush from and nothing more to serve. Ended
+            after the cut, so that every stream moves as a cut, not as a broken stream."""
+            if not ended.is_set():
+                ended.set()
+                metrics.flushes.labels("skipped").inc()
+                threading.Thread(target=self._terminate, args=(replica,), daemon=True).start()
+
+        future = lb.migrate(replica.replica_id, resume_timeout=RESUME_TIMEOUT_S,
+                            before_resume=end_now if lost else flush)
+        return future, lost, end_now if lost else None
+
+    def _terminate(self, replica: ReplicaRow) -> None:
+        try:
+            self.daemon.provider(replica.cloud).terminate(replica.instance_id)
+        except Exception as err:  # the controller's deadline enforcement retries
+            log.warning("ending %s after a passed deadline failed: %s", replica.replica_id, err)
+
+    # ---- the replica's connector ---------------------------------------------------------
+
+    def flush(self, replica: ReplicaRow, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Ask the replica to push its not yet stored KV blocks; True when it confirmed."""
+        if not replica.control_endpoint:
+            return False
+        return flush_kv(self._http, replica.control_endpoint, self._kv_auth(replica.service), timeout_s)
+
+    def _kv_auth(self, service: str) -> dict[str, str]:
+        from orchestrator.control.launch import kv_secret_file
+
+        return {"Authorization": f"Bearer {kv_secret_file(service).read_text().strip()}"}
+
+    def _peers(self, service: str) -> list[ReplicaRow]:
+        """The replicas the continuations may land on."""
+        return [r for r in self.daemon.store.list_replicas(service)
+                if r.control_endpoint and r.replica_state in (ReplicaState.READY, ReplicaState.NOT_READY)]
+
+    def _stats(self, replica: ReplicaRow) -> dict | None:
+        return connector_stats(self._http, replica.control_endpoint, self._kv_auth(replica.service))
+
+    def _kv_outcome(self, peers: list[ReplicaRow], continuations: set[str]) -> KVOutcome:
+        """Sum the peers' connector records of these continuations (each record's request id
+        carries the X-Request-Id the LB gave the continuation). A busy worker can be slow to
+        answer, or to admit: asked again until every continuation has its record."""
+        deadline = time.monotonic() + OUTCOME_WAIT_S
+        while True:
+            answers = [stats for stats in map(self._stats, peers) if stats is not None]
+            records = [rec for stats in answers for rec in stats.get("recent_requests", ())
+                       if seam_id_in(rec["request_id"]) in continuations]
+            if len(records) >= len(continuations) or not answers or time.monotonic() > deadline:
+                break  # (no answer at all: no connector on the peers, nothing to wait for)
+            time.sleep(0.5)
+        return KVOutcome(
+            requests=len(records),
+            loaded_tokens=sum(rec["loaded_tokens"] for rec in records),
+            recomputed_tokens=sum(rec["recomputed_tokens"] for rec in records),
+            max_recomputed=max((rec["recomputed_tokens"] for rec in records), default=0),
+        )
+
+    # ---- chaos ---------------------------------------------------------------------------
+
+    def chaos_preempt(self, replica_id: str | None, zone: str | None, grace_s: float, service: str | None) -> list[str]:
+        """Notices to one replica or every live one in a zone, all sent before any is handled
+        (a correlated loss arrives at once), each followed by the kill at its deadline."""
+        targets = self._chaos_targets(replica_id, zone, service)
+        notices = []
+        with self._notices_lock:  # the cloud's feed has them as soon as they are injected
+            for r in targets:
+                provider = self.daemon.provider(r.cloud)
+                inject = getattr(provider, "inject_notice", None)
+                if inject is not None:
+                    notice = inject(r.instance_id, grace_s)
+                else:  # a real cloud: our own notice, and we end the instance at its deadline
+                    notice = Notice(r.instance_id, NoticeKind.PREEMPT, time.time() + grace_s, source="chaos")
+                    threading.Timer(grace_s, provider.terminate, args=(r.instance_id,)).start()
+                self.daemon.store.record_event(
+                    "chaos", service=r.service, replica_id=r.replica_id, location=r.location, market=r.market_enum,
+                    message=f"preemption injected, grace {grace_s:.0f}s",
+                )
+                notices.append((r, Notice(notice.instance_id, notice.kind, notice.deadline, source="chaos")))
+            found, services = self._move_streams([n for _r, n in notices])
+        self._record_notices(found, services)
+        return [r.replica_id for r, _n in notices]
+
+    def _chaos_targets(self, replica_id: str | None, zone: str | None, service: str | None) -> list[ReplicaRow]:
+        replicas = [
+            r
+            for name in ([service] if service else list(self.daemon.controllers))
+            for r in self.daemon.store.list_replicas(name)
+            if is_alive(r.replica_state) and r.instance_id
+            and r.replica_state not in (ReplicaState.DRAINING, ReplicaState.PENDING, ReplicaState.PROVISIONING)
+        ]
+        if replica_id:
+            found = [r for r in replicas if r.replica_id == replica_id]
+            if not found:
+                raise UserError(f"no live replica named {replica_id!r} (see `spotctl status`)")
+            return found
+        found = [r for r in replicas if r.zone == zone]
+        if not found:
+            raise UserError(f"no live replica in zone {zone!r}")
+        return found

@@ -1,0 +1,739 @@
+"""OpenAI-compatible load balancer in front of one service's vLLM replicas.
+
+Routes `/v1/completions`, `/v1/chat/completions` (streamed or not), `/v1/models` and any other
+`/v1/...` call to a ready replica (least_load or round_robin), retries a try that cannot reach
+its replica on another one (3 tries, as SkyServe), and continues a broken or migrated stream
+on another replica token for token (orchestrator/lb/continuation.py). Serves `/health` and
+Prometheus `/metrics`.
+
+Raw ASGI on purpose: the proxy hop has a budget of about a millisecond, and a framework's
+routing, request objects and per-response disconnect-listener tasks cost a good part of it.
+Everything runs on the LB's own event loop; `set_replicas`, `in_flight` and `migrate` may be
+called from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import inspect
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import aiohttp
+import uvicorn
+
+from orchestrator.lb.continuation import (
+    CHAT,
+    COMPLETIONS,
+    SEAM_ID_HEADER,
+    Mode,
+    SeamMismatch,
+    Splice,
+    UpstreamStreamError,
+    new_seam_id,
+    plan_stream,
+)
+from orchestrator.common.errors import UserError
+from orchestrator.lb.metrics import LBMetrics
+from orchestrator.lb.picking import make_picker
+from orchestrator.lb.server import CoalescingHTTPProtocol
+from orchestrator.lb.upstream import UpstreamError, UpstreamPool
+from orchestrator.lb.sse import SSE_DONE, SSESplitter, sse_event
+
+log = logging.getLogger(__name__)
+
+MAX_TRIES = 3  # tries of one request (or of one continuation) that reach no replica
+MAX_SEAMS = 16  # continuations of one stream; beyond that something is wrong everywhere
+# A try that failed before the replica said anything: safe to send elsewhere.
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                   ConnectionError, asyncio.TimeoutError)
+# A stream that broke after it began (replica killed, connection reset, cut by migrate()).
+_STREAM_ERRORS = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError, UpstreamStreamError,
+                  json.JSONDecodeError)
+# A kept-alive connection the replica closes just as a request goes out on it fails with
+# ServerDisconnectedError before any answer. aiohttp resends only idempotent methods on a fresh
+# connection (RFC 9112 section 9.3.1); our POSTs are resent too, this many times, before the try
+# counts against the replica: the replica closed an idle connection, it did not fail. (A dead
+# replica refuses the fresh connection, and that counts at once.)
+STALE_RESENDS = 2
+_JSON = b"application/json"
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """A replica as the daemon tells the LB about it."""
+
+    replica_id: str
+    url: str
+    ready: bool = True
+    draining: bool = False
+
+    @property
+    def routable(self) -> bool:
+        return self.ready and not self.draining
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    replica_id: str
+    requests: int  # in flight on the replica when it was cut
+    resumed: int  # of those, continued elsewhere (first token after the seam, or completed)
+    failed: int  # ended with an error or did not resume within the timeout
+    # The X-Request-Id of each continuation sent for these requests (vLLM puts it into its own
+    # request id, so the replicas' KV records of the continuations can be told apart).
+    continuation_ids: tuple[str, ...] = ()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _Handle:
+    """One client request as migrate() and the disconnect watcher see it."""
+
+    __slots__ = ("client_gone", "continuable", "cut", "done", "gate", "replica", "resumed", "seam_ids", "splice",
+                 "task", "waiting")
+
+    def __init__(self, task: asyncio.Task):
+        self.task = task
+        self.continuable = True  # False: a stream migrate() leaves on its replica until it ends or dies
+        self.replica: str | None = None
+        self.waiting = False  # awaiting its replica: the only time a cut may cancel the task
+        self.cut = False
+        self.client_gone = False
+        self.done = False
+        self.resumed: asyncio.Future | None = None
+        self.gate: asyncio.Future | None = None  # a cut stream's continuation waits for it
+        self.splice: Splice | None = None  # a continuable stream's tokens so far
+        self.seam_ids: list[str] = []  # X-Request-Id of each continuation request sent for it
+
+    def absorb_cut(self) -> bool:
+        """On CancelledError: True when migrate() cut this request (the task goes on), False
+        when it is a real cancellation (the client left, the server stops) to re-raise."""
+        if not self.cut or self.client_gone:
+            return False
+        self.task.uncancel()
+        return True
+
+    def settle(self, ok: bool) -> None:
+        if self.resumed is not None and not self.resumed.done():
+            self.resumed.set_result(ok)
+
+
+def _error_body(status: int, message: str, kind: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+
+
+async def _send_json(send, status: int, body: bytes, content_type: bytes = _JSON) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_error(send, status: int, message: str, kind: str = "server_error") -> None:
+    await _send_json(send, status, _error_body(status, message, kind))
+
+
+async def _read_body(receive) -> bytes:
+    body, more = b"", True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    return body
+
+
+def _validate(upstream: Upstream) -> Upstream:
+    parts = urlsplit(upstream.url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise UserError(f"replica {upstream.replica_id}: url {upstream.url!r} is not an http(s)://host:port URL")
+    return dataclasses.replace(upstream, url=upstream.url.rstrip("/"))
+
+
+class LoadBalancer:
+    """One service's endpoint. `app` is the ASGI app; `start()` serves it in a thread."""
+
+    def __init__(self, policy: str = "least_load", *, connect_timeout: float = 5.0,
+                 stream_idle_timeout: float | None = 600.0):
+        self._picker = make_picker(policy)
+        self.policy = policy
+        self._replicas: dict[str, Upstream] = {}
+        # Replicas drain() took out for good: a replica set published from a view older than
+        # the notice (a probe pass racing it) must not send them new requests or continuations.
+        self._drained: set[str] = set()
+        self._replicas_lock = threading.Lock()  # set_replicas (daemon threads) vs drain()
+        self._in_flight: dict[str, int] = {}
+        self._handles: dict[str, set[_Handle]] = {}
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
+                                              sock_read=stream_idle_timeout)
+        self.metrics = LBMetrics(lambda: dict(self._in_flight))
+        self._session: aiohttp.ClientSession | None = None  # streams (and HEAD)
+        self._pool: UpstreamPool | None = None  # every other non-streamed request
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.url: str | None = None
+
+    # -- the daemon's side ----------------------------------------------------------------------
+    def set_replicas(self, upstreams: Iterable[Upstream]) -> None:
+        """Replace the replica set. Draining or not-ready replicas get no new requests; requests
+        already on a replica that left the set go on until they end or it dies."""
+        replicas = {u.replica_id: _validate(u) for u in upstreams}
+        with self._replicas_lock:
+            self._drained &= replicas.keys()  # ids are never reused: one that left is gone
+            for replica_id in self._drained:
+                replicas[replica_id] = dataclasses.replace(replicas[replica_id], draining=True)
+            self._replicas = replicas  # one assignment: readers on the loop see old or new, never half
+
+    def drain(self, replica_ids: Iterable[str]) -> None:
+        """No new request, retry or continuation goes to these replicas from now on (thread-safe,
+        idempotent, sticky across set_replicas). What they serve goes on until migrate() cuts it."""
+        with self._replicas_lock:
+            replicas = dict(self._replicas)
+            for replica_id in replica_ids:
+                self._drained.add(replica_id)
+                if replica_id in replicas:
+                    replicas[replica_id] = dataclasses.replace(replicas[replica_id], draining=True)
+            self._replicas = replicas
+
+    def replicas(self) -> list[Upstream]:
+        return list(self._replicas.values())
+
+    def in_flight(self, replica_id: str) -> int:
+        return self._in_flight.get(replica_id, 0)
+
+    def streamed_tokens(self, replica_id: str) -> list[int]:
+        """How many tokens each continuable stream now on `replica_id` has generated (what a
+        migration of it would carry over); readable from any thread."""
+        handles = list(self._handles.get(replica_id, ()))  # one C-level copy: safe beside the loop
+        return [len(h.splice.generated) for h in handles if h.splice is not None and not h.done]
+
+    def migrate(self, replica_id: str, before_cut: Callable[[], object] | None = None,
+                resume_timeout: float = 120.0, *,
+                before_resume: Callable[[], object] | None = None) -> concurrent.futures.Future[MigrationResult]:
+        """Continue every request in flight on `replica_id` elsewhere (thread-safe).
+
+        The replica is marked draining at once; `before_cut` (a coroutine function, or a plain
+        callable run in a worker thread) is awaited before its upstream streams are cut, and
+        `before_resume` (same kinds) after the cut and before any cut stream is continued:
+        the place for the KV flush, since by then every token a client has was generated and
+        its block handed to the replica's saver. The future resolves once every cut request
+        has resumed elsewhere or failed. From async code: `await asyncio.wrap_future(...)`.
+        """
+        if self._loop is None:
+            raise RuntimeError("the load balancer is not serving yet")
+        return asyncio.run_coroutine_threadsafe(
+            self.migrate_async(replica_id, before_cut, resume_timeout, before_resume=before_resume), self._loop)
+
+    async def migrate_async(self, replica_id: str, before_cut: Callable[[], object] | None = None,
+                            resume_timeout: float = 120.0, *,
+                            before_resume: Callable[[], object] | None = None) -> MigrationResult:
+        """migrate() on the LB's own loop."""
+        self.drain([replica_id])
+        if before_cut is not None:
+            await _call(before_cut)
+        loop = asyncio.get_running_loop()
+        handles = [h for h in self._handles.get(replica_id, ()) if h.continuable and not h.done]
+        gate = loop.create_future() if before_resume is not None and handles else None
+        for handle in handles:
+            handle.resumed = loop.create_future()
+            handle.cut = True
+            handle.gate = gate
+            if handle.waiting:
+                handle.task.cancel()
+        if gate is not None:
+            try:
+                await _call(before_resume)
+            except Exception:  # a failed flush costs a recompute, never the streams
+                log.exception("migrate(%s): before_resume failed; continuing the streams anyway", replica_id)
+            finally:
+                gate.set_result(None)
+        sent_before = [len(h.seam_ids) for h in handles]
+        futures = [h.resumed for h in handles]
+        if futures:
+            await asyncio.wait(futures, timeout=resume_timeout)
+        resumed = sum(1 for f in futures if f.done() and f.result())
+        ids = tuple(sid for h, n in zip(handles, sent_before, strict=True) for sid in h.seam_ids[n:])
+        return MigrationResult(replica_id, len(handles), resumed, len(handles) - resumed, ids)
+
+    # -- running it -----------------------------------------------------------------------------
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve in a background thread (its own event loop); returns the port."""
+        if self._thread is not None:
+            raise RuntimeError("the load balancer is already running")
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            sock.close()
+            raise UserError(f"load balancer: cannot listen on {host}:{port}: {err.strerror}") from None
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on", loop="none",
+                                http=CoalescingHTTPProtocol, interface="asgi3", proxy_headers=False, ws="none",
+                                timeout_graceful_shutdown=5, timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._serve, args=(sock,), name=f"lb-{port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 15
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"load balancer on {host}:{port} did not start")
+            time.sleep(0.01)
+        self.url = f"http://{host}:{port}"
+        return port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+        self._server = self._thread = None
+
+    def _serve(self, sock: socket.socket) -> None:
+        loop = _new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._server.serve(sockets=[sock]))
+        finally:
+            loop.run_until_complete(self._close_session())
+            loop.close()
+            sock.close()
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:  # created on first use so that the app works without lifespan too
+            self._loop = asyncio.get_running_loop()
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                timeout=self._timeout, auto_decompress=False, skip_auto_headers=("User-Agent",))
+            self._pool = UpstreamPool(self._timeout.sock_connect or 5.0, self._timeout.sock_read)
+        return self._session
+
+    async def _close_session(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    # -- ASGI -----------------------------------------------------------------------------------
+    async def app(self, scope, receive, send) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            return await self._lifespan(receive, send)
+        if kind != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path.startswith("/v1/"):
+            return await self._proxy(scope, receive, send, path, method)
+        if path == "/health":
+            ready = sum(1 for u in self._replicas.values() if u.routable)
+            body = json.dumps({"status": "ok" if ready else "no ready replica", "ready_replicas": ready,
+                               "replicas": len(self._replicas)}).encode()
+            return await _send_json(send, 200 if ready else 503, body)
+        if path == "/metrics":
+            return await _send_json(send, 200, self.metrics.render(), b"text/plain; version=0.0.4")
+        await _send_error(send, 404, f"no route {method} {path}", "not_found_error")
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self._client()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self._close_session()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _watch_disconnect(self, receive, handle: _Handle) -> None:
+        # uvicorn's send() is silent once the client is gone, so only receive() tells us.
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+        if not handle.done:
+            handle.client_gone = True
+            handle.task.cancel()
+
+    async def _proxy(self, scope, receive, send, path: str, method: str) -> None:
+        try:
+            raw = await _read_body(receive)
+        except _ClientGone:
+            return
+        headers = {"Content-Type": "application/json"}
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                headers["Authorization"] = value.decode("latin-1")
+        handle = _Handle(asyncio.current_task())
+        watcher = asyncio.ensure_future(self._watch_disconnect(receive, handle))
+        try:
+            body = None
+            if method == "POST" and path in (COMPLETIONS, CHAT):
+                try:
+                    body = json.loads(raw)
+                except ValueError:
+                    return await _send_error(send, 400, "request body is not valid JSON", "invalid_request_error")
+                if not isinstance(body, dict):
+                    return await _send_error(send, 400, "request body must be a JSON object",
+                                             "invalid_request_error")
+            if body is not None and body.get("stream"):
+                plan = plan_stream(path, body)
+                if plan.mode is Mode.NONE:
+                    handle.continuable = False
+                    await self._stream_passthrough(path, raw, headers, send, handle)
+                else:
+                    await self._stream_spliced(Splice(plan), headers, send, handle)
+            else:
+                query = scope.get("query_string") or b""
+                target = path + ("?" + query.decode("latin-1") if query else "")
+                await self._unary(method, target, raw, headers, send, handle)
+        except asyncio.CancelledError:
+            if not handle.client_gone:
+                raise
+        finally:
+            handle.done = True
+            handle.settle(False)  # a migrate() waiting on a request whose client left
+            watcher.cancel()
+
+    # -- replicas and in-flight accounting ------------------------------------------------------
+    def _choose(self, excluded: set[str]) -> Upstream | None:
+        replicas = self._replicas
+        candidates = [r for r, u in replicas.items() if u.routable and r not in excluded]
+        if not candidates:
+            return None
+        return replicas[self._picker.pick(candidates, self._in_flight)]
+
+    def _acquire(self, replica: str, handle: _Handle) -> None:
+        self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
+        self._handles.setdefault(replica, set()).add(handle)
+        handle.replica = replica
+        self.metrics.count_request(replica)
+
+    def _release(self, replica: str, handle: _Handle) -> None:
+        count = self._in_flight.get(replica, 0)
+        if count <= 0:
+            self.metrics.accounting_errors.inc()
+            log.error("in-flight count of %s would go negative", replica)
+        elif count == 1 and replica not in self._replicas:
+            del self._in_flight[replica]  # a replica that left the set: forget it once idle
+        else:
+            self._in_flight[replica] = count - 1
+        handles = self._handles.get(replica)
+        if handles is not None:
+            handles.discard(handle)
+            if not handles:
+                del self._handles[replica]
+        handle.replica = None
+
+    def _no_replica(self, tries: int) -> tuple[int, str]:
+        if tries == 0:
+            self.metrics.errors.labels("", "no_ready_replica").inc()
+            return 503, "no ready replica for this service; try again shortly"
+        self.metrics.errors.labels("", "all_tries_failed").inc()
+        return 502, f"no replica could be reached after {tries} tries"
+
+    async def _refuse(self, send, handle: _Handle, tries: int) -> None:
+        """Answer 503 (no ready replica) or 502 (every try failed) before any byte was sent."""
+        handle.settle(False)
+        status, message = self._no_replica(tries)
+        await _send_error(send, status, message)
+
+    def _try_failed(self, replica: str, kind: str, tries: int) -> bool:
+        """Count a failed try; True when another try is allowed."""
+        self.metrics.errors.labels(replica, kind).inc()
+        if tries < MAX_TRIES:
+            self.metrics.retries.labels(kind).inc()
+            return True
+        return False
+
+    # -- non-streamed requests ------------------------------------------------------------------
+    async def _unary(self, method: str, target: str, raw: bytes, headers: dict, send, handle: _Handle) -> None:
+        """Send the request as is; a failed or cut try is repeated from scratch elsewhere, which
+        gives the same answer for greedy and seeded requests alike (nothing reached the client)."""
+        session, pool = self._client(), self._pool
+        excluded: set[str] = set()
+        tries = 0
+        while True:
+            upstream = self._choose(excluded)
+            if upstream is None:
+                return await self._refuse(send, handle, tries)
+            replica = upstream.replica_id
+            self._acquire(replica, handle)
+            handle.waiting = True
+            try:
+                if method == "HEAD" or not upstream.url.startswith("http://"):  # HEAD: no body; TLS: aiohttp
+                    async with await _request(session, method, upstream.url + target, raw, headers) as resp:
+                        payload = await resp.read()
+                        status = resp.status
+                        content_type = resp.headers.get("Content-Type", "application/json").encode("latin-1")
+                else:
+                    status, payload, content_type = await pool.request(upstream.url, method, target, raw, headers)
+            except _CONNECT_ERRORS + _STREAM_ERRORS + (UpstreamError,):
+                excluded.add(replica)
+                tries += 1
+                if self._try_failed(replica, "connect", tries):
+                    continue
+                return await self._refuse(send, handle, tries)
+            except asyncio.CancelledError:
+                if not handle.absorb_cut():
+                    raise
+                handle.cut = False
+                excluded.add(replica)
+                self.metrics.migrations.labels("cut", "restart").inc()
+                continue
+            finally:
+                handle.waiting = False
+                self._release(replica, handle)
+            if status >= 500:
+                self.metrics.errors.labels(replica, f"http_{status}").inc()
+            handle.settle(True)
+            handle.done = True
+            return await _send_json(send, status, payload, content_type)
+
+    # -- streams that cannot be continued -------------------------------------------------------
+    async def _stream_passthrough(self, path: str, raw: bytes, headers: dict, send, handle: _Handle) -> None:
+        session = self._client()
+        excluded: set[str] = set()
+        tries = 0
+        started = False
+        while True:
+            upstream = self._choose(excluded)
+            if upstream is None:
+                return await self._refuse(send, handle, tries)
+            replica = upstream.replica_id
+            self._acquire(replica, handle)
+            handle.waiting = True
+            try:
+                async with await _request(session, "POST", upstream.url + path, raw, headers) as resp:
+                    if resp.status != 200:
+                        payload = await resp.read()
+                        handle.done = True
+                        return await _send_json(send, resp.status, payload)
+                    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                    started = True
+                    async for chunk in resp.content.iter_any():
+                        handle.waiting = False
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        handle.waiting = True
+                handle.done = True
+                handle.settle(True)
+                return await send({"type": "http.response.body", "body": b""})
+            except _CONNECT_ERRORS + _STREAM_ERRORS as err:
+                log.debug("try on %s failed: %s", replica, err)
+                if not started:  # nothing reached the client yet: try another replica
+                    excluded.add(replica)
+                    tries += 1
+                    if self._try_failed(replica, "connect", tries):
+                        continue
+                    return await self._refuse(send, handle, tries)
+                reason = "broken"
+            except asyncio.CancelledError:
+                if not handle.absorb_cut():
+                    raise
+                reason = "cut"
+            finally:
+                handle.waiting = False
+                self._release(replica, handle)
+            # Mid-stream, and the request is not one a continuation can reproduce.
+            self.metrics.errors.labels(replica, reason).inc()
+            self.metrics.continuation_failures.labels("not_continuable").inc()
+            handle.settle(False)
+            return await self._end_with_error(send, "the replica serving this stream went away and the "
+                                                    "request cannot be continued (n>1, logprobs, echo or tools)")
+
+    async def _end_with_error(self, send, message: str) -> None:
+        event = sse_event(_error_body(502, message, "server_error"))
+        await send({"type": "http.response.body", "body": event + SSE_DONE})
+
+    # -- streams continued across replicas ------------------------------------------------------
+    async def _stream_spliced(self, splice: Splice, headers: dict, send, handle: _Handle) -> None:
+        handle.splice = splice
+        session = self._client()
+        excluded: set[str] = set()
+        tries = 0  # failed tries since the last one that made progress
+        started = False  # the client has its response headers
+        last_token_at: float | None = None
+        seam_reason = "broken"
+        while True:
+            if splice.budget_spent():
+                events = splice.finish_locally()
+                await send({"type": "http.response.body", "body": b"".join(events) + SSE_DONE})
+                handle.settle(True)
+                return
+            if splice.segments > MAX_SEAMS or not splice.continuable():
+                break
+            path, body, mode = splice.next_request()
+            upstream = self._choose(excluded)
+            if upstream is None:
+                if not started:
+                    return await self._refuse(send, handle, tries)
+                break
+            replica = upstream.replica_id
+            sent_headers = headers
+            if splice.segments > 1:  # after a seam: vLLM takes the id into its own request id
+                handle.seam_ids.append(new_seam_id())
+                sent_headers = {**headers, SEAM_ID_HEADER: handle.seam_ids[-1]}
+            if mode is not None:
+                self.metrics.migrations.labels(seam_reason, mode.value).inc()
+                self.metrics.migrated_tokens.inc(len(splice.generated))
+                if mode is Mode.REPLAY:
+                    self.metrics.replayed_tokens.inc(len(splice.generated))
+            self._acquire(replica, handle)
+            handle.waiting = True
+            progressed = False
+            failure: str | None = None
+            resp = None
+            try:
+                resp = await _request(session, "POST", upstream.url + path, json.dumps(body).encode(), sent_headers)
+                if resp.status != 200:
+                    payload = await resp.read()
+                    if not started:
+                        handle.done = True
+                        handle.settle(False)
+                        return await _send_json(send, resp.status, payload)
+                    failure = f"http_{resp.status}"
+                else:
+                    if not started:
+                        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                        started = True
+                    splitter = SSESplitter()
+                    async for chunk in resp.content.iter_any():
+                        handle.waiting = False
+                        for data in splitter.feed(chunk):
+                            events, new_tokens = splice.on_data(data)
+                            if new_tokens:
+                                now = time.monotonic()
+                                if splice.tokens_at_seam is not None:
+                                    if last_token_at is not None:
+                                        self.metrics.stall_seconds.observe(now - last_token_at)
+                                    splice.tokens_at_seam = None
+                                    handle.settle(True)
+                                last_token_at = now
+                                progressed = True
+                            if events:
+                                await send({"type": "http.response.body", "body": b"".join(events),
+                                            "more_body": True})
+                            if splice.finished or handle.cut:  # a cut drops what is buffered:
+                                break  # the continuation regenerates it
+                        if splice.finished or handle.cut:
+                            break
+                        handle.waiting = True
+                        # aiohttp hands out buffered data without yielding: let migrate() (whose
+                        # cut lands here) and other streams run between two reads.
+                        await asyncio.sleep(0)
+                    if not splice.finished:
+                        failure = "cut" if handle.cut else "eof"
+            except _CONNECT_ERRORS + _STREAM_ERRORS as err:
+                log.debug("try on %s failed: %s", replica, err)
+                failure = "connect" if resp is None else "broken"
+            except SeamMismatch as err:
+                log.warning("replay diverged, resuming from token ids instead: %s", err)
+                self.metrics.continuation_failures.labels("replay_mismatch").inc()
+                splice.replay_diverged()
+                failure = "replay_mismatch"
+            except asyncio.CancelledError:
+                if not handle.absorb_cut():
+                    raise
+                failure = "cut"
+            finally:
+                handle.waiting = False
+                self._release(replica, handle)
+                if resp is not None:
+                    # A replica that finished sends [DONE] next: read it and keep the connection.
+                    # Otherwise (stop string matched here, a cut, a break) drop the connection,
+                    # which also aborts the request on the replica.
+                    if splice.finished and not splice.stop.stops and await _drained(resp):
+                        resp.release()
+                    else:
+                        resp.close()
+            if splice.finished:
+                handle.done = True
+                handle.settle(True)
+                return await send({"type": "http.response.body", "body": SSE_DONE})
+            # A seam: this segment ended before the stream did.
+            if handle.cut:  # a cut, even when the replica broke the stream at the same moment
+                failure = "cut"
+            if failure == "cut":
+                handle.cut = False
+                if handle.gate is not None:  # e.g. the cut replica's KV flush
+                    gate, handle.gate = handle.gate, None
+                    await gate
+            seam_reason = "cut" if failure == "cut" else "broken"
+            self.metrics.errors.labels(replica, failure).inc()
+            excluded = {replica} if progressed else excluded | {replica}
+            tries = 0 if progressed or failure == "cut" else tries + 1
+            if tries >= MAX_TRIES:
+                break
+            if tries:
+                self.metrics.retries.labels(failure).inc()
+            splice.begin_seam()
+        # Out of replicas or tries in the middle of a stream.
+        self.metrics.continuation_failures.labels("no_replica").inc()
+        handle.settle(False)
+        if not started:
+            return await self._refuse(send, handle, max(tries, 1))
+        await self._end_with_error(send, "the stream could not be continued on any replica")
+
+
+async def _request(session: aiohttp.ClientSession, method: str, url: str, data: bytes,
+                   headers: dict) -> aiohttp.ClientResponse:
+    """session.request(), resent on a fresh connection when a kept-alive one was closed under it."""
+    for _ in range(STALE_RESENDS):
+        try:
+            return await session.request(method, url, data=data, headers=headers)
+        except aiohttp.ServerDisconnectedError:
+            log.debug("%s %s: the kept-alive connection was closed before an answer; resending", method, url)
+    return await session.request(method, url, data=data, headers=headers)
+
+
+async def _call(hook: Callable[[], object]) -> None:
+    """Await a hook: a coroutine function, or a plain callable run in a worker thread."""
+    if inspect.iscoroutinefunction(hook):
+        await hook()
+        return
+    result = await asyncio.to_thread(hook)
+    if inspect.isawaitable(result):
+        await result
+
+
+async def _drained(resp: aiohttp.ClientResponse) -> bool:
+    try:
+        while await resp.content.readany():
+            pass
+    except _STREAM_ERRORS:
+        return False
+    return True
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # optional speed-up
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def serve_forever(lb: LoadBalancer, host: str, port: int) -> None:  # pragma: no cover - convenience
+    """Run `lb` in the foreground until interrupted (for scripts and benchmarks)."""
+    lb.start(host, port)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        lb.stop()
+
+
+__all__ = ["LoadBalancer", "MigrationResult", "Upstream", "serve_forever"]

@@ -1,0 +1,144 @@
+"""The agent beside vLLM on each replica: serves this replica's KV shard store.
+
+    python -m orchestrator.replica.agent --store-port P --secret-file F [--max-bytes N] [--ttl S] [--host H]
+                                 [--watch aws|gcp|azure --api DAEMON_URL [--metadata-url URL]]
+
+With --watch, the agent also polls the cloud's metadata service for preemption notices
+(orchestrator.replica.watchers) and reports them to the daemon, authenticated with the service's
+KV secret (a replica machine never holds the daemon's admin token).
+
+Logs one line "agent: shard store listening on http://H:P" once the port is bound (with
+--store-port 0 the line names the port the OS picked). SIGTERM/SIGINT shut it down cleanly.
+
+Hook for more agent duties (the notice watchers): `serve(options, duties=[...])` calls each
+duty's start() once the store listens and its stop() at shutdown; a duty runs in its own
+thread (orchestrator.replica.watchers.WatchLoop has that shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from orchestrator.replica.kv.httpserver import start_server
+from orchestrator.replica.kv.store import MAX_BODY, StoreHandler
+
+log = logging.getLogger("orchestrator.replica.agent")
+
+
+class Duty(Protocol):
+    def start(self) -> object: ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    store_port: int
+    secret: str
+    host: str = "127.0.0.1"
+    max_bytes: int = 1 << 30
+    ttl_s: float = 3600.0
+    watch: str | None = None  # aws | gcp | azure: the notice watcher to run
+    api_url: str | None = None
+    metadata_url: str | None = None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> AgentOptions:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.replica.agent", description=__doc__.split("\n")[0])
+    parser.add_argument("--store-port", type=int, required=True, help="shard store port (0: any free one)")
+    parser.add_argument("--secret-file", type=Path, required=True, help="file holding the service's KV secret")
+    parser.add_argument("--max-bytes", type=int, default=1 << 30, help="memory bound of the store (bytes)")
+    parser.add_argument("--ttl", type=float, default=3600.0, help="seconds a shard lives after its last use")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--watch", choices=("aws", "gcp", "azure"), help="watch this cloud's metadata for notices")
+    parser.add_argument("--api", dest="api_url", help="the daemon's base URL (notices go to its /v1/notices)")
+    parser.add_argument("--metadata-url", help="override the metadata server's base URL (tests)")
+    args = parser.parse_args(argv)
+    if args.watch and not args.api_url:
+        parser.error("--watch needs --api DAEMON_URL")
+    try:
+        secret = args.secret_file.read_text().strip()
+    except OSError as err:
+        parser.error(f"--secret-file {args.secret_file}: {err.strerror}")
+    if not secret:
+        parser.error(f"--secret-file {args.secret_file}: the file is empty")
+    if not 0 <= args.store_port <= 65535:
+        parser.error(f"--store-port must be 0..65535, got {args.store_port}")
+    if args.max_bytes <= 0 or args.ttl <= 0:
+        parser.error("--max-bytes and --ttl must be positive")
+    return AgentOptions(args.store_port, secret, args.host, args.max_bytes, args.ttl, args.watch, args.api_url,
+                        args.metadata_url)
+
+
+def notice_duties(options: AgentOptions) -> list[Duty]:
+    """The notice watcher the options ask for (none on the local cloud: the daemon kills)."""
+    if not options.watch:
+        return []
+    from orchestrator.replica.watchers import WATCHERS, NoticeReporter, WatchLoop
+
+    kwargs = {"base_url": options.metadata_url} if options.metadata_url else {}
+    return [WatchLoop(WATCHERS[options.watch](**kwargs), NoticeReporter(options.api_url, options.secret))]
+
+
+async def serve(options: AgentOptions, duties: Sequence[Duty] = (), stop: asyncio.Event | None = None) -> None:
+    """Run the shard store (and the duties) until SIGTERM/SIGINT (or `stop` is set)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    handler = StoreHandler(options.secret, max_bytes=options.max_bytes, ttl_s=options.ttl_s)
+    # A body can never be larger than what the store may hold (plus framing).
+    max_body = min(MAX_BODY, options.max_bytes + (1 << 20))
+    server = await start_server(handler, options.host, options.store_port, max_body, admit=handler.admit)
+    port = server.sockets[0].getsockname()[1]
+    log.info("agent: shard store listening on http://%s:%d", options.host, port)
+    started: list[Duty] = []
+    try:
+        for duty in duties:
+            duty.start()
+            started.append(duty)
+        await stop.wait()
+    finally:
+        server.close()
+        for duty in started:
+            duty.stop()
+        log.info("agent: stopped")
+
+
+def _loop_factory():
+    """uvloop when installed: its transports are faster than asyncio's for bulk bytes."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def run(options: AgentOptions, duties: Sequence[Duty] = ()) -> None:
+    """Serve until SIGTERM/SIGINT, on uvloop when it is installed."""
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(serve(options, duties))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    options = parse_args(argv)
+    try:
+        run(options, notice_duties(options))
+    except OSError as err:  # the port is taken, the address is not ours, ...
+        log.error("agent: cannot serve the shard store on %s:%d: %s", options.host, options.store_port,
+                  err.strerror or err)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The shard stores the connector codes over: static ones, its own, and the daemon's list.
+
+Replicas come and go, so with a `membership_url` the list is polled (GET, bearer = the
+shard-store secret, body {"stores": [...]}) and the pool re-placed when it changes. A
+failed poll keeps the last known list: stores that vanished only cost cache misses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import urllib.request
+from collections.abc import Callable
+
+from orchestrator.replica.kv.placement import StoreNode, parse_nodes
+from orchestrator.replica.kv.settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    def __init__(self, settings: ConnectorSettings):
+        self._settings = settings
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.nodes = self._merge(self._fetch() if settings.membership_url else [])
+
+    def _merge(self, fetched: list[StoreNode]) -> list[StoreNode]:
+        by_id = {n.node_id: n for n in (*self._settings.stores, *fetched)}
+        own = self._settings.self_store
+        if own is not None:
+            by_id[own.node_id] = own
+        return sorted(by_id.values(), key=lambda n: n.node_id)
+
+    def _fetch(self) -> list[StoreNode]:
+        url = self._settings.membership_url
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {self._settings.secret}"})
+        try:
+            with urllib.request.urlopen(request, timeout=self._settings.timeout_s) as response:
+                return parse_nodes(json.loads(response.read())["stores"])
+        except Exception as err:  # the daemon may be restarting: keep serving with what we know
+            log.warning("kv membership from %s unavailable: %s", url, err)
+            return list(getattr(self, "nodes", []))
+
+    def watch(self, on_change: Callable[[list[StoreNode]], None]) -> None:
+        """Poll the daemon in the background; call on_change with each new list."""
+        if not self._settings.membership_url or self._thread is not None:
+            return
+
+        def poll() -> None:
+            while not self._stop.wait(self._settings.membership_poll_s):
+                nodes = self._merge(self._fetch())
+                if nodes and nodes != self.nodes:
+                    log.info("kv stores changed: %d -> %d", len(self.nodes), len(nodes))
+                    self.nodes = nodes
+                    on_change(nodes)
+
+        self._thread = threading.Thread(target=poll, name="kv-membership", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()

@@ -1,0 +1,332 @@
+"""An erasure-coded KV pool over the shard stores of the peer replicas.
+
+This is the one API the vLLM connector (orchestrator/replica/kv/connector.py) uses:
+
+    from orchestrator.replica.kv.placement import StoreNode, parse_nodes
+    from orchestrator.replica.kv.pool import ErasureCodedPool
+
+    pool = ErasureCodedPool(nodes: list[StoreNode], secret: str, k: int = 4, m: int = 2,
+                            timeout_s: float = 2.0)
+    pool.put(key: str, payload: bytes | memoryview) -> None
+        encode into k+m shards, place them (placement.Placement), push all in parallel;
+        raises InsufficientShardsStored only if fewer than k shards could be stored.
+    pool.put_many(items: list[tuple[str, bytes]]) -> None
+        the same for many keys, one HTTP request per store; raises if any key got < k.
+    pool.get(key: str) -> bytearray | None
+        fetches in parallel, decodes as soon as any k valid shards arrived; None when the
+        key cannot be recovered (absent, too many stores down, or too many corrupt shards).
+        A bytearray (bytes-like, compares equal to bytes; writable, so torch.frombuffer /
+        np.frombuffer take it without a copy or a warning).
+    pool.get_many(keys: list[str], into: list[buffer] | None = None) -> list[bytearray | None]
+        with `into`, key i is decoded straight into into[i] (no payload copy), returned for it
+    pool.has(key: str) -> bool          cheap: >= k shards present (no data transferred)
+    pool.has_many(keys: list[str]) -> list[bool]
+    pool.update_nodes(nodes: list[StoreNode]) -> None   membership changed (new placement)
+    pool.repair_many(keys: list[str]) -> Repaired(shards: list[int | None], bytes_moved: int)
+        put back the shards the current holders lack or hold of another encoding (per key:
+        how many; None: unrecoverable), and the shard bytes read and written
+    pool.close() -> None                 (also a context manager)
+
+    StoreNode(node_id: str, endpoint: str, cloud: str, region: str, zone: str)  frozen
+    parse_nodes(list[dict]) -> list[StoreNode]    from JSON config; UserError on bad input
+
+The pool is thread-safe: the connector may call it from background threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+from orchestrator.replica.kv.codec import Buffer, Codec, Shard, TooManyErasures, WrongPayloadLength
+from orchestrator.replica.kv.placement import Placement, StoreNode
+from orchestrator.replica.kv.store import StoreClient, gather_until
+
+log = logging.getLogger(__name__)
+
+PUT_REQUEST_BYTES = 32 << 20  # split one store's share of a put_many into bodies of about this size
+GET_REQUEST_KEYS = 128  # and a get_many/has_many into requests of at most this many shards
+PLACEMENT_HISTORY = 2  # previous memberships whose holders reads still ask
+
+
+class Repaired(NamedTuple):
+    """What one repair_many call did."""
+
+    shards: list[int | None]  # per key: shards put back; None: unrecoverable
+    bytes_moved: int  # shard bytes read from and written to the stores
+
+
+class InsufficientShardsStored(Exception):
+    """Fewer than k shards of a group could be stored: the key would not be recoverable."""
+
+
+def shard_key(key: str, index: int) -> str:
+    """The store key of shard `index` of group `key`."""
+    return f"{key}#{index}"
+
+
+class ErasureCodedPool:
+    """Erasure-coded put/get of opaque payloads over the shard stores of `nodes`."""
+
+    def __init__(self, nodes: list[StoreNode], secret: str, k: int = 4, m: int = 2, timeout_s: float = 2.0,
+                 *, strict_placement: bool = False):
+        self.k, self.m, self.timeout_s = k, m, timeout_s
+        self._codec = Codec(k, m)
+        self._secret = secret
+        self._strict = strict_placement
+        self._lock = threading.Lock()
+        # (placements, newest first; clients by node_id), swapped whole so each call sees one
+        # membership. Older placements are where shards written before a change still are.
+        self._view: tuple[tuple[Placement, ...], dict[str, StoreClient]] = ((), {})
+        self._executor = ThreadPoolExecutor(max_workers=max(16, 4 * len(nodes)), thread_name_prefix="kv-pool")
+        self.update_nodes(nodes)
+
+    # -- membership ----------------------------------------------------------------------
+
+    def update_nodes(self, nodes: list[StoreNode]) -> None:
+        """Switch to a new membership. Writes go to the new holders; shards already written
+        stay where they are, so reads and `has` also ask the holders under the previous
+        PLACEMENT_HISTORY memberships (those still members), in the same round of requests."""
+        if not nodes:
+            raise ValueError("the KV pool needs at least one shard store")
+        placement = Placement(nodes, self.k, self.m, strict=self._strict)
+        with self._lock:
+            (history, old), clients = self._view, {}
+            for node in placement.members:
+                reuse = old.get(node.node_id)
+                clients[node.node_id] = (reuse if reuse is not None and reuse.endpoint == node.endpoint.rstrip("/")
+                                         else StoreClient(node.endpoint, self._secret, timeout_s=self.timeout_s))
+            older = tuple(p for p in history if p.members != placement.members)[:PLACEMENT_HISTORY]
+            self._view = ((placement, *older), clients)
+        for node_id, client in old.items():  # calls still using them fail over as erasures
+            if clients.get(node_id) is not client:
+                client.close()
+        if not placement.feasible:
+            log.warning("kv pool: %d store(s) in too few zones to keep <= %d of %d shards per zone; "
+                        "placing best effort", len(nodes), self.m, self.k + self.m)
+
+    def holders(self, key: str) -> list[StoreNode]:
+        """The stores of shards 0..k+m-1 of `key` under the current membership."""
+        return self._view[0][0].holders(key)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def put(self, key: str, payload: bytes | memoryview) -> None:
+        self.put_many([(key, payload)])
+
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        """Encode and store many payloads, one request per store (or per ~32 MiB of it)."""
+        # One encoding per key: two (with two stripe ids) racing to the same shard keys
+        # could leave fewer than k shards of either.
+        items = list({key: (key, payload) for key, payload in items}.values())
+        placements, clients = self._view
+        placement = placements[0]
+        per_node: dict[str, list[tuple[int, str, memoryview]]] = defaultdict(list)
+        for item, (key, payload) in enumerate(items):
+            frames = self._codec.encode(payload)
+            for index, (frame, node) in enumerate(zip(frames, placement.holders(key), strict=True)):
+                per_node[node.node_id].append((item, shard_key(key, index), frame))
+        stored = [0] * len(items)
+
+        def count(items_and_flags: tuple[list[int], list[bool]]) -> bool:
+            for item, ok in zip(*items_and_flags, strict=True):
+                stored[item] += ok
+            return False  # wait for every store: each shard stored is one more erasure tolerated
+
+        calls = [_call(clients[node_id].put_many, chunk) for node_id, shards in per_node.items()
+                 for chunk in _chunks_by_bytes(shards, PUT_REQUEST_BYTES)]
+        gather_until(self._executor, calls, count, self._deadline())
+        short = [items[i][0] for i, n in enumerate(stored) if n < self.k]
+        if short:
+            raise InsufficientShardsStored(
+                f"{len(short)} key(s) got fewer than k={self.k} of {self.k + self.m} shards stored "
+                f"(first: {short[0]!r}); are the shard stores up?")
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytearray | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str], into: Sequence[Buffer] | None = None) -> list[bytearray | Buffer | None]:
+        """Each key's payload from the first k valid shards that arrive; None if unrecoverable.
+        With `into` (one writable buffer per key), key i's payload is decoded straight into
+        into[i], which is returned for it; a payload of another length is None."""
+        out: list[bytearray | Buffer | None] = []
+        for item, shards in enumerate(self._gather(keys)):
+            try:
+                out.append(self._codec.assemble(shards, into=None if into is None else into[item]))
+            except (TooManyErasures, WrongPayloadLength):
+                out.append(None)
+        return out
+
+    def _gather(self, keys: Sequence[str]) -> list[list[Shard]]:
+        """The valid shards of each key, asked of every holder at once; a key's collection
+        stops once k shards of one encoding are in."""
+        parsed: list[list[Shard]] = [[] for _ in keys]
+        complete = [False] * len(keys)
+        remaining = [len(keys)]
+
+        def collect(items_and_frames: tuple[list[tuple[int, int]], list[memoryview | None]]) -> bool:
+            for (item, _), frame in zip(*items_and_frames, strict=True):
+                shard = None if frame is None or complete[item] else self._codec.parse(frame)
+                if shard is not None:
+                    parsed[item].append(shard)
+                    if _has_stripe_of(parsed[item], self.k):
+                        complete[item] = True
+                        remaining[0] -= 1
+            return remaining[0] == 0
+
+        gather_until(self._executor, self._key_calls(keys, "get_many"), collect, self._deadline())
+        return parsed
+
+    def has(self, key: str) -> bool:
+        return self.has_many([key])[0]
+
+    def has_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether >= k shards of each key are present (no shard data moves)."""
+        return [len(found) >= self.k for found in self._present(keys, enough=self.k)]
+
+    def _present(self, keys: Sequence[str], enough: int) -> list[set[int]]:
+        """The shard indices of each key that some holder has; a key's count stops at `enough`."""
+        present: list[set[int]] = [set() for _ in keys]
+        remaining = [len(keys)]
+
+        def count(items_and_flags: tuple[list[tuple[int, int]], list[bool]]) -> bool:
+            for (item, index), ok in zip(*items_and_flags, strict=True):
+                if ok and len(present[item]) < enough:
+                    present[item].add(index)
+                    remaining[0] -= len(present[item]) == enough
+            return remaining[0] == 0
+
+        gather_until(self._executor, self._key_calls(keys, "has_many"), count, self._deadline())
+        return present
+
+    def _held_encodings(self, keys: Sequence[str]) -> list[dict[int, tuple[int, int]]]:
+        """Per key, {shard index: (stripe, payload length)} of the shards its holders under the
+        current membership have, read from their headers (no shard data moves)."""
+        held: list[dict[int, tuple[int, int]]] = [{} for _ in keys]
+
+        def note(items_and_heads: tuple[list[tuple[int, int]], list[memoryview | None]]) -> bool:
+            for (item, index), head in zip(*items_and_heads, strict=True):
+                claimed = None if head is None else self._codec.identify(head)
+                if claimed is not None and claimed.index == index:
+                    held[item][index] = (claimed.stripe, claimed.payload_len)
+            return False
+
+        gather_until(self._executor, self._key_calls(keys, "head_many", current_only=True), note, self._deadline())
+        return held
+
+    # -- repair --------------------------------------------------------------------------
+
+    def repair_many(self, keys: Sequence[str]) -> Repaired:
+        """Put back the shards of these groups that their holders under the current
+        membership lack (a store that left took them, or a new store took over their place).
+        Per key: how many shards were put back (0: the group was whole), or None when fewer
+        than k valid shards of one encoding were found anywhere (it is a cache miss now);
+        and the bytes it read and sent doing so (what a repair rate limit counts).
+
+        The missing shards are re-encoded from the decoded payload with the group's own stripe
+        id: byte for byte the shards that were lost, so they join the ones still stored. A
+        holder's shard of another encoding of the key (two replicas wrote different payloads
+        of it at once) counts as missing and is overwritten: the headers tell encodings apart.
+        (A shard whose data is corrupt under an intact header is not: reads treat it as an
+        erasure, repair does not read data to find it.)"""
+        keys = list(dict.fromkeys(keys))
+        placement, clients = self._view[0][0], self._view[1]
+        held = self._held_encodings(keys)
+        out: list[int | None] = [0] * len(keys)
+        broken = [item for item, found in enumerate(held)
+                  if len(found) < self.k + self.m or len(set(found.values())) > 1]
+        per_node: dict[str, list[tuple[int, str, memoryview]]] = defaultdict(list)
+        moved = 0
+        for item, shards in zip(broken, self._gather([keys[i] for i in broken]), strict=True):
+            moved += sum(len(shard.frame) for shard in shards)
+            encoding = self._codec.best_stripe(shards)
+            if len(encoding) < self.k:
+                out[item] = None
+                continue
+            first = next(iter(encoding.values()))
+            payload = self._codec.assemble(list(encoding.values()))
+            frames = self._codec.encode(payload, stripe=first.stripe)
+            for index, node in enumerate(placement.holders(keys[item])):
+                if held[item].get(index) != (first.stripe, first.payload_len) and node.node_id in clients:
+                    per_node[node.node_id].append((item, shard_key(keys[item], index), frames[index]))
+
+        def count(items_and_flags: tuple[list[int], list[bool]]) -> bool:
+            for item, ok in zip(*items_and_flags, strict=True):
+                out[item] += ok
+            return False
+
+        calls = [_call(clients[node_id].put_many, chunk) for node_id, shards in per_node.items()
+                 for chunk in _chunks_by_bytes(shards, PUT_REQUEST_BYTES)]
+        gather_until(self._executor, calls, count, self._deadline())
+        moved += sum(len(frame) for shards in per_node.values() for _, _, frame in shards)
+        return Repaired(out, moved)
+
+    def _key_calls(self, keys: Sequence[str], operation: str, current_only: bool = False) -> list[Callable]:
+        """One call of StoreClient.<operation> per holder (and per GET_REQUEST_KEYS shards)
+        covering all shards of `keys` at their holders under the current and the previous
+        placements (only the current one with `current_only`); each returns ((item, shard
+        index) pairs, results)."""
+        placements, clients = self._view
+        placements = placements[:1] if current_only else placements
+        per_node: dict[str, list[tuple[tuple[int, int], str]]] = defaultdict(list)
+        for item, key in enumerate(keys):
+            asked: set[tuple[str, int]] = set()
+            for placement in placements:
+                for index, node in enumerate(placement.holders(key)):
+                    if node.node_id in clients and (node.node_id, index) not in asked:
+                        asked.add((node.node_id, index))
+                        per_node[node.node_id].append(((item, index), shard_key(key, index)))
+        return [_call(getattr(clients[node_id], operation), shards[i:i + GET_REQUEST_KEYS])
+                for node_id, shards in per_node.items() for i in range(0, len(shards), GET_REQUEST_KEYS)]
+
+    def _deadline(self) -> float:
+        # Every call has its own timeout and one retry inside StoreClient; this bounds the whole.
+        return 2 * self.timeout_s + 1.0
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            clients, self._view = self._view[1], (self._view[0], {})  # later calls: no stores
+        for client in clients.values():
+            client.close()
+
+    def __enter__(self) -> ErasureCodedPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _call(operation: Callable[[list], list], entries: list[tuple]) -> Callable[[], tuple[list[int], list]]:
+    """A call for the executor: `operation` on the entries' payloads (all but the item index),
+    returning the item indices beside the results so the caller can attribute them."""
+    args = [entry[1] if len(entry) == 2 else entry[1:] for entry in entries]
+    return lambda: ([entry[0] for entry in entries], operation(args))
+
+
+def _has_stripe_of(shards: list[Shard], k: int) -> bool:
+    """Whether k shards of one stripe (one encoding of the payload) are among these."""
+    indices: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for shard in shards:
+        indices[(shard.stripe, shard.payload_len)].add(shard.index)
+    return max(map(len, indices.values()), default=0) >= k
+
+
+def _chunks_by_bytes(shards: list[tuple[int, str, memoryview]], limit: int) -> list[list[tuple[int, str, memoryview]]]:
+    chunks: list[list[tuple[int, str, memoryview]]] = [[]]
+    size = 0
+    for shard in shards:
+        if chunks[-1] and size + len(shard[2]) > limit:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(shard)
+        size += len(shard[2])
+    return chunks if chunks[0] else []
