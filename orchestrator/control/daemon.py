@@ -1,9 +1,9 @@
 """The long-running control plane: APScheduler jobs + the HTTP API, nothing else.
 
-Each job calls one function of the library (STYLE.md: the daemon stays small):
+Each job calls one function of the library, so the daemon stays small:
     reconcile  every 2 s   Controller.reconcile() for each service
     probe      every 2 s   Controller.probe() for each service
-    prices     per cloud   market.refresh_prices() (where a price book is configured)
+    prices     per cloud   pricebook.refresh_prices() (clouds whose quotes are cached)
 All state is in the store; a restarted daemon rebuilds controllers, load balancers and
 policies from it (policies by replaying the events table).
 
@@ -13,7 +13,6 @@ policies from it (policies by replaying the events table).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -27,9 +26,8 @@ import uvicorn
 from apscheduler.executors.pool import ThreadPoolExecutor as APThreadPool
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from orchestrator.cli import client as api_client
 
-from orchestrator.control import auth
+from orchestrator.control import auth, discovery
 
 from orchestrator.common import paths
 from orchestrator.control.controller import Controller
@@ -38,9 +36,10 @@ from orchestrator.lb.proxy import LoadBalancer
 from orchestrator.control.pricebook import PriceBook, refresh_prices
 from orchestrator.control.migration import Migrator
 from orchestrator.control.launch import ReplicaLauncher
-from orchestrator.spec import ServiceSpec
+from orchestrator.spec import ServiceSpec, spec_from_json
 from orchestrator.control.store import ServiceStatus, Store
 from policies.base import PlacementPolicy, UnknownPolicyError, load_policy
+from providers import registry
 from providers.base import Offers, Provider
 
 log = logging.getLogger("orchestrator.control.daemon")
@@ -81,33 +80,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def make_provider(cloud: str) -> Provider:
-    """The provider of a cloud, constructed on first use (SDK clients are not free)."""
-    if cloud == "local":
-        from providers.local import LocalProvider
-
-        return LocalProvider()
-    if cloud == "aws":
-        from providers.aws import AWSProvider
-
-        return AWSProvider()
-    if cloud == "gcp":
-        from providers.gcp import GCPProvider
-
-        return GCPProvider()
-    if cloud == "azure":
-        from providers.azure import AzureProvider
-
-        return AzureProvider()
-    raise UserError(f"resources.cloud: unknown cloud {cloud!r}; expected local, aws, gcp or azure")
-
-
 class Daemon:
     def __init__(
         self,
         store: Store | None = None,
         host: str = "127.0.0.1",
-        provider_factory: Callable[[str], Provider] = make_provider,
+        provider_factory: Callable[[str], Provider] = registry.make,
         launcher: ReplicaLauncher | None = None,
         policy_factory: Callable[[str], PlacementPolicy] = load_policy,
     ):
@@ -121,7 +99,7 @@ class Daemon:
         self.providers: dict[str, Provider] = {}
         self.controllers: dict[str, Controller] = {}
         self.lbs: dict[str, LoadBalancer] = {}
-        self.migrator = Migrator(self)
+        self.migrator = Migrator(self.store, self.controllers, self.lbs, self.provider, self.reconcile_service)
         self.book = PriceBook()  # live quotes of the real clouds in use (the local cloud prices itself)
         self._lock = threading.RLock()
         self.started_at = time.time()
@@ -136,15 +114,14 @@ class Daemon:
             return self.providers[cloud]
 
     def spec_cloud(self, spec: ServiceSpec) -> str:
-        clouds = {loc.cloud for loc in spec.candidate_locations(known=self._local_locations(spec))}
+        """The cloud a service runs on (the registry's default when its spec names none);
+        raises UserError for an unknown cloud."""
+        clouds = spec.clouds() or [registry.DEFAULT_CLOUD]
+        for cloud in clouds:
+            registry.check(cloud)
         if len(clouds) > 1:
             raise UserError("resources: replicas across several clouds need one provider each; not supported yet")
-        return clouds.pop() if clouds else (spec.resources.cloud or "local")
-
-    def _local_locations(self, spec: ServiceSpec):
-        if (spec.resources.cloud or "local") == "local" or any(r.cloud == "local" for r in spec.resources.any_of):
-            return self.provider("local").locations()  # type: ignore[attr-defined]
-        return None
+        return clouds[0]
 
     def apply_spec(self, spec: ServiceSpec) -> dict:
         """Create or update a service; returns its summary. Idempotent."""
@@ -170,7 +147,7 @@ class Daemon:
 
     def _start_service(self, name: str, cloud: str) -> None:
         row = self.store.get_service(name)
-        spec = ServiceSpec.from_json(row.spec_json)
+        spec = spec_from_json(row.spec_json)
         lb = self.lbs.get(name)
         if lb is None:
             lb = LoadBalancer(policy=spec.service.load_balancing_policy)
@@ -181,7 +158,7 @@ class Daemon:
             self.store,
             self.provider(cloud),
             self.launcher or ReplicaLauncher(daemon_url=self.url or None),
-            offers=None if cloud == "local" else self._book_offers(spec, cloud),
+            offers=None if self.provider(cloud).cheap_offers else self._book_offers(spec, cloud),
             policy=self.policy_factory(spec.service.placement_policy),
             on_upstreams=lb.set_replicas,
             on_notice=self.migrator.on_notice,
@@ -204,14 +181,14 @@ class Daemon:
         return offers
 
     def refresh_prices(self) -> int:
-        clouds = {name: p for name, p in list(self.providers.items()) if name != "local"}
+        clouds = {name: p for name, p in list(self.providers.items()) if not p.cheap_offers}
         return refresh_prices(clouds, self.book, self.store) if clouds else 0
 
     def restore_services(self) -> None:
         """After a restart: a controller and a load balancer for every stored service."""
         for row in self.store.list_services():
             try:
-                self._start_service(row.name, self.spec_cloud(ServiceSpec.from_json(row.spec_json)))
+                self._start_service(row.name, self.spec_cloud(spec_from_json(row.spec_json)))
             except Exception as err:  # one broken service must not keep the others down
                 log.error("service %s could not be restored: %s", row.name, err)
 
@@ -285,13 +262,6 @@ class Daemon:
             provider.close()
 
 
-def write_daemon_info(url: str) -> None:
-    path = api_client.daemon_info_path()
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "url": url, "started_at": time.time()}))
-    os.replace(tmp, path)
-
-
 class DaemonServer:
     """The daemon's API server plus its jobs; `run()` in the foreground, or a thread (tests)."""
 
@@ -311,7 +281,7 @@ class DaemonServer:
             if self.server.should_exit:
                 return
             time.sleep(0.05)
-        write_daemon_info(self.daemon.url)
+        discovery.write_daemon_info(self.daemon.url)
         self.daemon.restore_services()
         self.daemon.start_jobs()
         log.info("daemon listening on %s (state in %s)", self.daemon.url, paths.home())
@@ -338,15 +308,15 @@ class DaemonServer:
 
     def _cleanup(self) -> None:
         self.daemon.shutdown()
-        info = api_client.read_daemon_info()
+        info = discovery.read_daemon_info()
         if info and info.get("pid") == os.getpid():
-            api_client.daemon_info_path().unlink(missing_ok=True)
+            discovery.daemon_info_path().unlink(missing_ok=True)
 
 
-def serve(host: str = "127.0.0.1", port: int = api_client.DEFAULT_PORT) -> None:
+def serve(host: str = "127.0.0.1", port: int = discovery.DEFAULT_PORT) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
-    running = api_client.running_daemon_url()
+    running = discovery.running_daemon_url()
     if running:
         raise UserError(f"a daemon is already running at {running}")
     server = DaemonServer(Daemon(host=host), host, port)
@@ -357,7 +327,7 @@ def serve(host: str = "127.0.0.1", port: int = api_client.DEFAULT_PORT) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spotctl daemon")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=api_client.DEFAULT_PORT)
+    parser.add_argument("--port", type=int, default=discovery.DEFAULT_PORT)
     opts = parser.parse_args(argv)
     try:
         serve(opts.host, opts.port)

@@ -18,10 +18,10 @@ from orchestrator.common import paths
 from orchestrator.common.errors import UserError
 from orchestrator.spec import ServiceSpec
 from orchestrator.control.store import ReplicaRow
-from providers.base import LaunchRequest, Location, Market
+from providers.base import LaunchRequest, Location, MachineRuntime, Market
 
 CONNECTOR_CLASS = "SpotKVConnector"
-CLOUD_REPLICA_PYTHON = "python3"
+CONNECTOR_MODULE = "orchestrator.replica.kv.connector"
 REPLICA_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per CPU replica
     "HF_HUB_OFFLINE": "1",
@@ -72,18 +72,20 @@ def resolve_demo_model(size: str, replica_python: str) -> str:
 
 
 class ReplicaLauncher:
-    def __init__(self, replica_python: Path | None = None, daemon_url: str | None = None):
-        self.replica_python = str(replica_python or paths.replica_python())
+    """Builds the LaunchRequest of one replica; the provider's MachineRuntime says how its
+    machines run the replica program, so nothing here branches on a cloud."""
+
+    def __init__(self, daemon_url: str | None = None):
         self.daemon_url = daemon_url
 
-    def model_path(self, spec: ServiceSpec) -> str:
+    def model_path(self, spec: ServiceSpec, runtime: MachineRuntime) -> str:
         if spec.engine.is_tiny:
-            return resolve_demo_model("tiny", self.replica_python)
+            return resolve_demo_model("tiny", runtime.python)
         return spec.engine.model
 
-    def engine_args(self, spec: ServiceSpec, location: Location, kv_config: dict | None) -> list[str]:
-        on_cpu = location.cloud == "local"
-        args = ["--model", self.model_path(spec), "--host", "127.0.0.1" if on_cpu else "0.0.0.0", "--port", "{port}"]
+    def engine_args(self, spec: ServiceSpec, runtime: MachineRuntime, kv_config: dict | None) -> list[str]:
+        on_cpu = runtime.on_cpu
+        args = ["--model", self.model_path(spec, runtime), "--host", runtime.bind_host, "--port", "{port}"]
         args += ["--served-model-name", spec.name]
         if spec.engine.dtype or on_cpu:
             args += ["--dtype", spec.engine.dtype or "bfloat16"]
@@ -119,28 +121,27 @@ class ReplicaLauncher:
         return {
             "kv_connector": CONNECTOR_CLASS,
             "kv_role": "kv_both",
-            "kv_connector_module_path": "orchestrator.replica.kv.connector",
+            "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_connector_extra_config": extra,
         }
 
-    def request(self, spec: ServiceSpec, row: ReplicaRow, location: Location, market: Market) -> LaunchRequest:
+    def request(self, spec: ServiceSpec, row: ReplicaRow, location: Location, market: Market,
+                runtime: MachineRuntime) -> LaunchRequest:
         kv = self.kv_config(spec, row, location)
-        # On a cloud VM the image's python3 has vLLM's GPU build and the project's replica
-        # side installed (templates/replica-setup.sh); locally it is .venv-replica.
-        python = self.replica_python if location.cloud == "local" else CLOUD_REPLICA_PYTHON
-        command = [python, "-m", "orchestrator.replica.main"]
+        command = [runtime.python, "-m", "orchestrator.replica.main"]
         env = dict(REPLICA_ENV)
         if kv is not None:
             secret = kv_secret_file(spec.name)
             command += ["--agent-port", "{agent_port}", "--secret-file", str(secret)]
             command += ["--store-max-bytes", str(spec.kv.store_max_bytes)]
-            if location.cloud != "local":
-                # A cloud VM: the secret travels in the startup script's environment, and
-                # the agent watches the cloud's metadata for notices and reports them.
+            if not runtime.shares_host_files:
+                # The machine cannot read the secret's file here: it travels in the startup
+                # script's environment.
                 env["SPOT_ORCHESTRATOR_KV_SECRET"] = secret.read_text().strip()
-                if self.daemon_url:
-                    command += ["--watch", location.cloud, "--api", self.daemon_url]
-        command += ["--", *self.engine_args(spec, location, kv)]
+        if runtime.notice_watcher and self.daemon_url:
+            # The agent watches the cloud's metadata for notices and reports them.
+            command += ["--watch", runtime.notice_watcher, "--api", self.daemon_url]
+        command += ["--", *self.engine_args(spec, runtime, kv)]
         acc = spec.resources.accelerator
         return LaunchRequest(
             service=spec.name,

@@ -1,6 +1,6 @@
 """notice -> drain -> flush KV -> resume in-flight requests elsewhere (the preemption path).
 
-Steps 1-3 of DESIGN.md's preemption path, in the order that keeps clients unaware:
+The preemption path's first steps, in the order that keeps clients unaware:
 1. the load balancer drains the replica (no new request from that instant, whatever replica
    set the controller publishes later), then the controller marks it DRAINING and the policy
    is asked for a replacement at once, not at the next tick: a notice is the cheapest moment
@@ -31,7 +31,9 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 from prometheus_client import Counter, Histogram
@@ -40,8 +42,12 @@ from orchestrator.fleet import decisions
 from orchestrator.lb.continuation import seam_id_in
 from orchestrator.common.errors import UserError
 from orchestrator.fleet.lifecycle import ReplicaState, is_alive
-from orchestrator.control.store import ReplicaRow
-from providers.base import Notice, NoticeKind
+from orchestrator.control.store import ReplicaRow, Store
+from providers.base import Notice, NoticeKind, Provider
+
+if TYPE_CHECKING:  # type hints only: the daemon wires the live objects in
+    from orchestrator.control.controller import Controller
+    from orchestrator.lb.proxy import LoadBalancer
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +113,23 @@ def _drains(state: ReplicaState) -> bool:
 
 
 class Migrator:
-    def __init__(self, daemon):  # orchestrator.control.daemon.Daemon
-        self.daemon = daemon
+    """Acts on notices for every service of a daemon. It is handed what it uses: the store,
+    the daemon's (live) controllers and load balancers by service, a provider per cloud, and
+    a way to ask for a reconcile of one service now."""
+
+    def __init__(
+        self,
+        store: Store,
+        controllers: Mapping[str, Controller],
+        lbs: Mapping[str, LoadBalancer],
+        provider: Callable[[str], Provider],
+        reconcile: Callable[[str], None],
+    ):
+        self.store = store
+        self.controllers = controllers
+        self.lbs = lbs
+        self.provider = provider
+        self.reconcile = reconcile
         self._http = httpx.Client(timeout=FLUSH_TIMEOUT_S + 5)
         self._metrics: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._metrics_lock = threading.Lock()
@@ -132,8 +153,8 @@ class Migrator:
             return True
 
     def _replica_for_instance(self, instance_id: str) -> ReplicaRow | None:
-        for name in list(self.daemon.controllers):
-            for r in self.daemon.store.list_replicas(name):
+        for name in list(self.controllers):
+            for r in self.store.list_replicas(name):
                 if r.instance_id == instance_id:
                     return r
         return None
@@ -168,7 +189,7 @@ class Migrator:
         services = sorted({r.service for r, _n in moving})
         for service in services:
             batch = [(r, n) for r, n in moving if r.service == service]
-            lb = self.daemon.lbs.get(service)
+            lb = self.lbs.get(service)
             if lb is not None:
                 lb.drain([r.replica_id for r, _n in batch])
             for r, n in batch:
@@ -183,17 +204,17 @@ class Migrator:
         controller's lock may be waiting for that one."""
         out = []
         for notice, row in found:  # DRAINING in the store, the notice event, the policy told
-            controller = self.daemon.controllers.get(row.service) if row is not None else None
+            controller = self.controllers.get(row.service) if row is not None else None
             replica = controller.handle_notice(notice) if controller is not None else None
             out.append(replica.replica_id if replica else None)
         for service in services:  # the replacements, without waiting a tick
-            threading.Thread(target=self.daemon.reconcile_service, args=(service,), daemon=True).start()
+            threading.Thread(target=self.reconcile, args=(service,), daemon=True).start()
         return out
 
     def _migrate(self, service: str, batch: list[tuple[ReplicaRow, Notice]], received: float) -> None:
         """Move the streams of the noticed replicas of one service (one at a time would let
         one's continuations land on the next)."""
-        lb = self.daemon.lbs.get(service)
+        lb = self.lbs.get(service)
         if lb is None:
             return
         metrics = self.metrics(lb)
@@ -223,7 +244,7 @@ class Migrator:
         for replica, lost, result in results:
             self.last_outcome[replica.replica_id] = outcome
             together = f" (KV for all {len(results)} replicas noticed together)" if len(results) > 1 else ""
-            self.daemon.store.record_event(
+            self.store.record_event(
                 "migration", service=service, replica_id=replica.replica_id, location=replica.location,
                 market=replica.market_enum,
                 message=(f"{result.resumed}/{result.requests} streams continued elsewhere in {took:.1f}s; "
@@ -259,7 +280,7 @@ class Migrator:
 
     def _terminate(self, replica: ReplicaRow) -> None:
         try:
-            self.daemon.provider(replica.cloud).terminate(replica.instance_id)
+            self.provider(replica.cloud).terminate(replica.instance_id)
         except Exception as err:  # the controller's deadline enforcement retries
             log.warning("ending %s after a passed deadline failed: %s", replica.replica_id, err)
 
@@ -278,7 +299,7 @@ class Migrator:
 
     def _peers(self, service: str) -> list[ReplicaRow]:
         """The replicas the continuations may land on."""
-        return [r for r in self.daemon.store.list_replicas(service)
+        return [r for r in self.store.list_replicas(service)
                 if r.control_endpoint and r.replica_state in (ReplicaState.READY, ReplicaState.NOT_READY)]
 
     def _stats(self, replica: ReplicaRow) -> dict | None:
@@ -312,14 +333,14 @@ class Migrator:
         notices = []
         with self._notices_lock:  # the cloud's feed has them as soon as they are injected
             for r in targets:
-                provider = self.daemon.provider(r.cloud)
+                provider = self.provider(r.cloud)
                 inject = getattr(provider, "inject_notice", None)
                 if inject is not None:
                     notice = inject(r.instance_id, grace_s)
                 else:  # a real cloud: our own notice, and we end the instance at its deadline
                     notice = Notice(r.instance_id, NoticeKind.PREEMPT, time.time() + grace_s, source="chaos")
                     threading.Timer(grace_s, provider.terminate, args=(r.instance_id,)).start()
-                self.daemon.store.record_event(
+                self.store.record_event(
                     "chaos", service=r.service, replica_id=r.replica_id, location=r.location, market=r.market_enum,
                     message=f"preemption injected, grace {grace_s:.0f}s",
                 )
@@ -331,8 +352,8 @@ class Migrator:
     def _chaos_targets(self, replica_id: str | None, zone: str | None, service: str | None) -> list[ReplicaRow]:
         replicas = [
             r
-            for name in ([service] if service else list(self.daemon.controllers))
-            for r in self.daemon.store.list_replicas(name)
+            for name in ([service] if service else list(self.controllers))
+            for r in self.store.list_replicas(name)
             if is_alive(r.replica_state) and r.instance_id
             and r.replica_state not in (ReplicaState.DRAINING, ReplicaState.PENDING, ReplicaState.PROVISIONING)
         ]

@@ -7,7 +7,7 @@ replica silently stuck in a state nobody expects. The store (`orchestrator.contr
 `transition()` on every state change and records the returned `TransitionRecord` as an
 event, so the history of a replica is always explainable.
 
-States are SkyServe's (REFERENCE.md) plus two of ours:
+States are SkyServe's plus two of ours:
 - DRAINING: a preemption notice (or a graceful scale-down) arrived; the replica serves no
   new requests, flushes its KV shards, and dies at its deadline.
 - TERMINATED: removed on purpose and its instance is gone. SkyServe deletes such records;

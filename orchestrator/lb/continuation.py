@@ -1,4 +1,4 @@
-"""Continuing a client's token stream on another replica when its replica goes away (issue 6).
+"""Continuing a client's token stream on another replica when its replica goes away.
 
 The load balancer asks every replica for token ids (`return_token_ids`), so at any moment it
 knows the prompt's ids and every id streamed so far. When the upstream stream breaks or is cut

@@ -58,7 +58,7 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentOptions:
     parser.add_argument("--max-bytes", type=int, default=1 << 30, help="memory bound of the store (bytes)")
     parser.add_argument("--ttl", type=float, default=3600.0, help="seconds a shard lives after its last use")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--watch", choices=("aws", "gcp", "azure"), help="watch this cloud's metadata for notices")
+    parser.add_argument("--watch", metavar="CLOUD", help="watch this cloud's metadata for notices")
     parser.add_argument("--api", dest="api_url", help="the daemon's base URL (notices go to its /v1/notices)")
     parser.add_argument("--metadata-url", help="override the metadata server's base URL (tests)")
     args = parser.parse_args(argv)
@@ -82,10 +82,10 @@ def notice_duties(options: AgentOptions) -> list[Duty]:
     """The notice watcher the options ask for (none on the local cloud: the daemon kills)."""
     if not options.watch:
         return []
-    from orchestrator.replica.watchers import WATCHERS, NoticeReporter, WatchLoop
+    from orchestrator.replica.watchers import NoticeReporter, WatchLoop, load_watcher
 
     kwargs = {"base_url": options.metadata_url} if options.metadata_url else {}
-    return [WatchLoop(WATCHERS[options.watch](**kwargs), NoticeReporter(options.api_url, options.secret))]
+    return [WatchLoop(load_watcher(options.watch)(**kwargs), NoticeReporter(options.api_url, options.secret))]
 
 
 async def serve(options: AgentOptions, duties: Sequence[Duty] = (), stop: asyncio.Event | None = None) -> None:

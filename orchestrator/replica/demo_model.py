@@ -64,7 +64,7 @@ class ModelSize:
     max_position_embeddings: int
 
 
-# head_dim = hidden / heads must be 64: vLLM's CPU attention rejects 16 (REFERENCE.md).
+# head_dim = hidden / heads must be 64: vLLM's CPU attention rejects 16.
 SIZES: dict[str, ModelSize] = {
     # Loads in vLLM CPU in ~20 s; prompts of many 32-token blocks fit.
     "tiny": ModelSize(128, 256, 2, 2, 2, 2048),

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agent-port", type=int)
     parser.add_argument("--secret-file")
     parser.add_argument("--store-max-bytes", type=int)
-    parser.add_argument("--watch", choices=("aws", "gcp", "azure"), help="run this cloud's notice watcher")
+    parser.add_argument("--watch", metavar="CLOUD", help="run this cloud's notice watcher")
     parser.add_argument("--api", help="the daemon's URL, for notices")
     opts = parser.parse_args(argv[:split])
     engine_args = argv[split + 1 :]

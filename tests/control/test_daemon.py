@@ -42,7 +42,7 @@ kv:
 
 
 class FakeEngineLauncher(ReplicaLauncher):
-    def request(self, spec, row, location, market) -> LaunchRequest:
+    def request(self, spec, row, location, market, runtime) -> LaunchRequest:
         return LaunchRequest(
             service=spec.name, replica_id=row.replica_id, location=location, market=market, instance_type="",
             command=[sys.executable, str(FAKE_ENGINE), "--port", "{port}", "--name", spec.name],
@@ -148,17 +148,17 @@ def test_a_daemon_slow_to_answer_is_still_the_running_daemon(state_home):
     `spotctl` must neither say "no daemon is running" nor start a second one."""
     import socket
 
-    from orchestrator.cli import client as api_client
-    from orchestrator.control.daemon import write_daemon_info
+    from orchestrator.control import discovery
+    from orchestrator.control.discovery import write_daemon_info
 
     with socket.socket() as silent:  # accepts (the kernel's backlog) and never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
         write_daemon_info(url)  # this process's pid: alive
-        assert api_client.running_daemon_url() == url
+        assert discovery.running_daemon_url() == url
     write_daemon_info(url)  # the port now refuses: no daemon there
-    assert api_client.running_daemon_url() is None
+    assert discovery.running_daemon_url() is None
 
 
 def test_a_slow_pass_is_logged_once_with_its_time(caplog, monkeypatch):

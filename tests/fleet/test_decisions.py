@@ -152,7 +152,7 @@ class TraceProvider(Provider):
 
 
 class Launcher(ReplicaLauncher):
-    def request(self, spec, row, location, market) -> LaunchRequest:
+    def request(self, spec, row, location, market, runtime) -> LaunchRequest:
         return LaunchRequest(service=spec.name, replica_id=row.replica_id, location=location, market=market,
                              instance_type="v100_1")
 

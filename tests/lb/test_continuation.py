@@ -1,4 +1,4 @@
-"""Stream continuation across replicas (issue 6) against fake vLLM upstreams run as processes.
+"""Stream continuation across replicas against fake vLLM upstreams run as processes.
 
 The fake generates each token as a function of the sequence so far (and, when seeded, of a
 per-request generator, as vLLM does), so a continuation is correct exactly when the client's

@@ -1,4 +1,4 @@
-"""Stream continuation with two real vLLM CPU replicas of the tiny demo model (issue 6).
+"""Stream continuation with two real vLLM CPU replicas of the tiny demo model.
 
 A streamed chat completion through the LB loses its replica mid-stream (the process group is
 SIGKILLed, as the local cloud ends a preempted machine; or the LB is told to migrate): the

@@ -11,7 +11,10 @@ import time
 import pytest
 
 from orchestrator.common.paths import REPO_ROOT, replica_python
-from orchestrator.replica.watchers import AWSWatcher, AzureWatcher, GCPWatcher, NoticeReporter, WatchLoop
+from orchestrator.replica.watchers import NoticeReporter, WatchLoop, load_watcher
+from providers.watch.aws import AWSWatcher
+from providers.watch.azure import AzureWatcher
+from providers.watch.gcp import GCPWatcher
 from tests.fakes.clouds import serve
 
 TOKEN = "s3cret"
@@ -244,13 +247,27 @@ def test_background_thread_delivers_and_stops(daemon):
     assert not thread.is_alive() and len(daemon.notices) == 1
 
 
-def test_replica_runtime_can_import_watchers_without_control_plane():
+def test_replica_runtime_loads_every_watcher_without_the_control_plane():
+    """The agent finds each cloud's watcher by entry point in the replica environment, and
+    loading them pulls in nothing of the control plane (only providers.watch, the in-VM half)."""
     python = replica_python()
     if not python.exists():
         pytest.skip(f"replica runtime missing at {python}")
-    code = ("import sys, orchestrator.replica.watchers; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('providers', 'sqlmodel', 'typer', 'boto3', 'sky')"
-            " or m in ('orchestrator.control.pricebook', 'orchestrator.control.store', 'providers.catalog.loader')]; "
-            "sys.exit(f'control-plane imports: {bad}' if bad else 0)")
+    code = ("import sys, orchestrator.replica.watchers as w; "
+            "names = w.watcher_names(); [w.load_watcher(n) for n in names]; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('sqlmodel', 'typer', 'boto3', 'sky', 'fastapi')"
+            " or (m.startswith('providers.') and not m.startswith('providers.watch'))"
+            " or (m.startswith('orchestrator.') and m.split('.')[1] not in ('replica', 'common'))]; "
+            "sys.exit(f'control-plane imports: {bad}' if bad else 0 if names == ['aws', 'azure', 'gcp'] else names)")
     result = subprocess.run([str(python), "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr or result.stdout
+
+
+def test_watcher_entry_point_group_is_the_registrys():
+    from orchestrator.replica import watchers
+    from providers import registry
+
+    assert watchers.WATCHER_ENTRY_POINT_GROUP == registry.WATCHER_ENTRY_POINT_GROUP
+    assert load_watcher("aws") is AWSWatcher and load_watcher("gcp") is GCPWatcher
+    with pytest.raises(KeyError, match="no notice watcher 'nosuch'"):
+        load_watcher("nosuch")

@@ -9,17 +9,15 @@ import pytest
 import yaml
 
 from orchestrator.common.errors import UserError
-from orchestrator.spec import (
-    Accelerator,
-    ServiceSpec,
-    SpecError,
-    load_spec,
-    parse_spec,
-)
+from orchestrator.spec import SpecError, load_spec, parse_spec, spec_from_json
+from orchestrator.spec.model import Accelerator
 from providers.base import Location
 
 TEMPLATES = sorted((Path(__file__).resolve().parents[2] / "templates").glob("*.yaml"))
 MINIMAL = {"name": "svc", "engine": {"model": "tiny"}}
+# What the local cloud's provider offers by default (the control plane passes each
+# provider's locations as `known`).
+LOCAL = [Location("local", "local", z) for z in ("local-a", "local-b", "local-c")]
 
 # SkyServe `service:` sections as its docs and examples write them.
 SKYSERVE_SECTIONS = [
@@ -64,7 +62,7 @@ def spec_of(**sections) -> dict:
 def test_templates_load_and_round_trip(path):
     spec = load_spec(path)
     assert parse_spec(spec.to_dict()) == spec
-    assert ServiceSpec.from_json(spec.to_json()) == spec
+    assert spec_from_json(spec.to_json()) == spec
     # to_dict is plain data that YAML can write and read back
     assert parse_spec(yaml.safe_load(yaml.safe_dump(spec.to_dict()))) == spec
 
@@ -85,8 +83,8 @@ def test_demo_template_is_two_spot_replicas_in_two_local_zones():
     spec = load_spec(TEMPLATES[0].with_name("local-tiny.yaml"))
     assert (spec.min_replicas, spec.max_replicas, spec.autoscaling) == (2, 2, False)
     assert spec.engine.is_tiny and spec.use_spot
-    zones = spec.candidate_locations()
-    assert zones == [Location("local", "local", "local-a"), Location("local", "local", "local-b")]
+    assert spec.candidate_locations(LOCAL) == LOCAL[:2]
+    assert spec.clouds() == ["local"]
     assert spec.engine.block_size_for(on_cpu=True) == 32
 
 
@@ -144,7 +142,7 @@ def test_defaults():
     assert spec.service.replica_policy.downscale_delay_seconds == 1200
     assert (spec.kv.enabled, spec.kv.k, spec.kv.m) == (True, 4, 2)
     assert spec.use_spot is False  # SkyPilot's default: on-demand unless use_spot
-    assert spec.candidate_locations() == [Location("local", "local", z) for z in ("local-a", "local-b", "local-c")]
+    assert spec.candidate_locations(LOCAL) == LOCAL and spec.clouds() == []
 
 
 def test_name_defaults_to_file_stem(tmp_path):
@@ -204,7 +202,8 @@ def test_candidate_locations():
     anywhere = parse_spec(MINIMAL)
     assert anywhere.candidate_locations(known) == known
     inherit = parse_spec(spec_of(resources={"cloud": "local", "any_of": [{"zone": "local-c"}]}))
-    assert inherit.candidate_locations() == [Location("local", "local", "local-c")]
+    assert inherit.candidate_locations(LOCAL) == [Location("local", "local", "local-c")]
+    assert any_of.clouds() == ["gcp", "aws"] and region.clouds() == ["aws"]
 
 
 def test_infra_wildcards():
@@ -257,7 +256,8 @@ BAD = [
      "service.replica_policy.dynamic_ondemand_fallback: expected true or false, got 'yes'"),
     (spec_of(service=["replicas", 2]), "service: expected a mapping, got a list"),
     (spec_of(resources={"use_spot": "sometimes"}), "resources.use_spot: expected true or false, got 'sometimes'"),
-    (spec_of(resources={"cloud": "aww"}), "resources.cloud: unknown cloud 'aww'; did you mean 'aws'?"),
+    (spec_of(resources={"cloud": "a w s"}),
+     "resources.cloud: expected a cloud name (letters, digits, '-'), got 'a w s'"),
     (spec_of(resources={"accelerators": "A100:x"}),
      "resources.accelerators: expected 'NAME' or 'NAME:COUNT', got 'A100:x'"),
     (spec_of(resources={"accelerators": {"A100": 0}}),

@@ -3,7 +3,7 @@
 Why not a Python wrapper: pyeclib, zfec and friends allocate and copy on every call and
 cannot write into caller buffers; measured on this class of machine they reach 0.1-0.4x of
 memcpy, while ISA-L's `ec_encode_data` into reused buffers runs at about 2x memcpy
-(REFERENCE.md, "Erasure coding on this machine"). So we call the kernel directly, with
+(docs/kv-cache.md has the figures). So we call the kernel directly, with
 numpy arrays as the preallocated buffers and raw pointers as arguments. ctypes releases
 the GIL for the duration of each call, so encoding does not block other threads.
 

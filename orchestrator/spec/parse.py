@@ -1,23 +1,13 @@
-"""ServiceSpec: the service YAML, parsed and validated into frozen dataclasses.
+"""Load and validate a service YAML into a `ServiceSpec`; every error is one `SpecError`.
 
-One YAML file describes a service. Its `service:` section is SkyServe's, field for field,
-so a SkyServe user's section loads unchanged (we also accept SkyServe fields we do not act
-on, like `load_balancer` or `pool`, and keep them). Top-level SkyPilot task keys (setup,
-run, envs, workdir, num_nodes, file_mounts, ...) are accepted and kept in `ServiceSpec.task`
-(templates use them on real clouds; the local cloud ignores them). Our additions:
-`service.placement_policy`, `engine:` (vLLM) and `kv:` (the erasure-coded KV cache).
+A SkyServe `service:` section loads unchanged (SkyServe keys we do not act on, such as
+`load_balancer` or `pool`, are kept); SkyPilot's top-level task keys (setup, run, envs, ...)
+are kept in `ServiceSpec.task`. Ours: `service.placement_policy`, `engine:` and `kv:`.
+Each error's single line names the field path and what was expected, e.g.
+`service.replicas: expected an integer, got 'two'`. Clouds are checked by name only here;
+whether a provider is registered for one is the control plane's question.
 
-Every validation error is a `SpecError` (a UserError) whose single line names the field
-path and what was expected, e.g. `service.replicas: expected an integer, got 'two'`.
-
-API:
-    load_spec(path_or_text) -> ServiceSpec     # a file path, or YAML text
-    parse_spec(data, name=None) -> ServiceSpec # an already-loaded mapping
-    spec.min_replicas / spec.max_replicas / spec.autoscaling / spec.use_spot / spec.accelerator
-    spec.candidate_locations(known=None) -> list[Location]
-    spec.policy_params() -> ServiceParams
-    spec.to_dict() -> dict                     # parse_spec(spec.to_dict()) == spec
-    spec.to_json() / ServiceSpec.from_json(text)  # what the store keeps
+Called by the CLI (`spotctl up`), the daemon's API and the store (`spec_from_json`).
 """
 
 from __future__ import annotations
@@ -34,18 +24,22 @@ from typing import Any
 import yaml
 
 from orchestrator.common.errors import UserError
-from policies.base import ServiceParams
-from providers.base import Location
-from providers.local import CLOUD as LOCAL_CLOUD
-from providers.local import configured_locations
-
-LB_POLICIES = ("round_robin", "least_load", "instance_aware_least_load")  # SkyServe's names
-DEFAULT_LB_POLICY = "least_load"
-SPOT_PLACERS = ("dynamic_fallback",)
-DEFAULT_PLACEMENT_POLICY = "default"  # policies.base.load_policy resolves it
-CPU_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32 (REFERENCE.md)
-TINY_MODEL = "tiny"  # the locally generated demo model (orchestrator.replica.demo_model)
-
+from orchestrator.spec.model import (
+    DEFAULT_LB_POLICY,
+    DEFAULT_PLACEMENT_POLICY,
+    LB_POLICIES,
+    SPOT_PLACERS,
+    TLS,
+    Accelerator,
+    EngineSpec,
+    KVSpec,
+    ReadinessProbe,
+    ReplicaPolicy,
+    Resources,
+    ServiceSection,
+    ServiceSpec,
+    plain,
+)
 
 class SpecError(UserError):
     """A bad service spec; `path` is the dotted field path (e.g. 'service.replicas')."""
@@ -55,248 +49,9 @@ class SpecError(UserError):
         super().__init__(f"{path}: {message}" if path else message)
 
 
-@dataclasses.dataclass(frozen=True)
-class ReadinessProbe:
-    path: str = "/health"
-    initial_delay_seconds: float = 1200.0
-    timeout_seconds: float = 15.0
-    post_data: str | Mapping[str, Any] | None = None
-    headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    # SkyServe's optional knobs; None = the controller's defaults (10 s, 180 s).
-    endpoint_probe_interval_seconds: float | None = None
-    consecutive_failure_threshold_timeout: float | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaPolicy:
-    min_replicas: int
-    max_replicas: int | None = None  # None: fixed at min_replicas (no autoscaling)
-    target_qps_per_replica: float | Mapping[str, float] | None = None
-    num_overprovision: int = 0
-    base_ondemand_fallback_replicas: int = 0
-    dynamic_ondemand_fallback: bool = False
-    spot_placer: str | None = None
-    upscale_delay_seconds: float = 300.0
-    downscale_delay_seconds: float = 1200.0
-
-
-@dataclasses.dataclass(frozen=True)
-class TLS:
-    keyfile: str
-    certfile: str
-
-
-@dataclasses.dataclass(frozen=True)
-class ServiceSection:
-    readiness_probe: ReadinessProbe = ReadinessProbe()
-    replica_policy: ReplicaPolicy = ReplicaPolicy(min_replicas=1)
-    replicas: int | None = None  # as written (`replicas: N` means min = max = N)
-    load_balancing_policy: str = DEFAULT_LB_POLICY
-    ports: int | None = None  # the load balancer's port; None = pick a free one
-    tls: TLS | None = None
-    placement_policy: str = DEFAULT_PLACEMENT_POLICY
-    # SkyServe keys accepted and kept but not acted on (load_balancer, pool, workers).
-    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Accelerator:
-    name: str
-    count: int = 1
-
-    def __str__(self) -> str:
-        return f"{self.name}:{self.count}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Resources:
-    """SkyPilot's resources: what we act on is typed; the rest is kept in `extra`."""
-
-    cloud: str | None = None
-    region: str | None = None
-    zone: str | None = None
-    instance_type: str | None = None
-    accelerators: tuple[Accelerator, ...] = ()  # alternatives; the first is preferred
-    use_spot: bool | None = None  # None = not set (SkyPilot's default: on-demand)
-    ports: tuple[str, ...] = ()
-    any_of: tuple[Resources, ...] = ()
-    ordered: bool = False  # written as `ordered:` (alternatives tried in order), not `any_of:`
-    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-    @property
-    def accelerator(self) -> Accelerator | None:
-        return self.accelerators[0] if self.accelerators else None
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSpec:
-    model: str  # a HF repo id, a local directory, or "tiny" (the demo model)
-    args: tuple[str, ...] = ()  # extra vLLM CLI arguments, appended verbatim
-    max_model_len: int | None = None
-    block_size: int | None = None  # None: 32 on CPU, vLLM's default on GPU
-    dtype: str | None = None
-
-    @property
-    def is_tiny(self) -> bool:
-        return self.model == TINY_MODEL
-
-    def block_size_for(self, on_cpu: bool) -> int | None:
-        return self.block_size if self.block_size is not None else (CPU_BLOCK_SIZE if on_cpu else None)
-
-
-@dataclasses.dataclass(frozen=True)
-class KVSpec:
-    enabled: bool = True
-    k: int = 4
-    m: int = 2
-    store_max_bytes: int = 1 << 30
-    ttl_seconds: float = 3600.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ServiceSpec:
-    name: str
-    engine: EngineSpec
-    service: ServiceSection = ServiceSection()
-    resources: Resources = Resources()
-    kv: KVSpec = KVSpec()
-    # SkyPilot task keys (setup, run, envs, workdir, num_nodes, file_mounts, ...): kept.
-    task: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-    @property
-    def min_replicas(self) -> int:
-        return self.service.replica_policy.min_replicas
-
-    @property
-    def max_replicas(self) -> int:
-        policy = self.service.replica_policy
-        return policy.max_replicas if policy.max_replicas is not None else policy.min_replicas
-
-    @property
-    def autoscaling(self) -> bool:
-        return self.max_replicas > self.min_replicas
-
-    @property
-    def use_spot(self) -> bool:
-        """Spot wanted anywhere: top-level `use_spot`, or any any_of alternative's."""
-        return bool(self.resources.use_spot) or any(alt.use_spot for alt in self.resources.any_of)
-
-    @property
-    def accelerator(self) -> Accelerator | None:
-        alts = [self.resources.accelerator, *(alt.accelerator for alt in self.resources.any_of)]
-        return next((a for a in alts if a is not None), None)
-
-    def _location_filters(self) -> list[tuple[str | None, str | None, str | None]]:
-        """(cloud, region, zone) patterns, None = any; any_of entries inherit the top level."""
-        top = self.resources
-        alts = self.resources.any_of or (top,)
-        return [(a.cloud or top.cloud, a.region or top.region, a.zone or top.zone) for a in alts]
-
-    def candidate_locations(self, known: Iterable[Location] | None = None) -> list[Location]:
-        """Where the service may run, in preference order, without duplicates.
-
-        `known` (e.g. the price book's locations) is filtered by resources' cloud/region/zone
-        and any_of. Besides, fully named locations (cloud+region+zone) and, for
-        `cloud: local`, the local cloud's configured zones are always listed. A spec naming
-        no cloud at all may run anywhere in `known`, or on the local cloud without it.
-        """
-        known = list(known or ())
-        out: list[Location] = []
-        for cloud, region, zone in self._location_filters():
-            if cloud is None and region is None and zone is None and not known:
-                out.extend(configured_locations())
-                continue
-            out.extend(loc for loc in known if _matches(loc, cloud, region, zone))
-            if cloud == LOCAL_CLOUD:
-                out.extend(loc for loc in configured_locations() if _matches(loc, cloud, region, zone))
-            elif cloud and region and zone:
-                out.append(Location(cloud, region, zone))
-        return list(dict.fromkeys(out))
-
-    def policy_params(self) -> ServiceParams:
-        policy = self.service.replica_policy
-        acc = self.accelerator
-        return ServiceParams(
-            num_overprovision=policy.num_overprovision,
-            base_ondemand_fallback_replicas=policy.base_ondemand_fallback_replicas,
-            dynamic_ondemand_fallback=policy.dynamic_ondemand_fallback,
-            use_spot=self.use_spot,
-            accelerator=acc.name if acc else None,
-            accelerator_count=acc.count if acc else 1,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """A plain, normalized mapping (YAML/JSON-ready): parse_spec(spec.to_dict()) == spec."""
-        return {
-            "name": self.name,
-            **_plain(self.task),
-            "service": _service_to_dict(self.service),
-            "resources": _resources_to_dict(self.resources),
-            "engine": _compact(dataclasses.asdict(self.engine) | {"args": list(self.engine.args)}),
-            "kv": dataclasses.asdict(self.kv),
-        }
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> ServiceSpec:
-        return parse_spec(json.loads(text))
-
-
-def _matches(loc: Location, cloud: str | None, region: str | None, zone: str | None) -> bool:
-    return (
-        (cloud is None or loc.cloud == cloud)
-        and (region is None or loc.region == region)
-        and (zone is None or loc.zone == zone)
-    )
-
-
-# ---- serialization --------------------------------------------------------------------
-
-
-def _plain(value: Any) -> Any:
-    """Mappings/tuples to dicts/lists, recursively (what YAML and JSON write)."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _compact(d: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _plain(v) for k, v in d.items() if v is not None and v != {} and v != ()}
-
-
-def _service_to_dict(s: ServiceSection) -> dict[str, Any]:
-    out: dict[str, Any] = {"readiness_probe": _compact(dataclasses.asdict(s.readiness_probe))}
-    if s.replicas is not None:
-        out["replicas"] = s.replicas
-    else:
-        out["replica_policy"] = _compact(dataclasses.asdict(s.replica_policy))
-    out["load_balancing_policy"] = s.load_balancing_policy
-    out["placement_policy"] = s.placement_policy
-    if s.ports is not None:
-        out["ports"] = s.ports
-    if s.tls is not None:
-        out["tls"] = dataclasses.asdict(s.tls)
-    return out | _plain(s.extra)
-
-
-def _resources_to_dict(r: Resources) -> dict[str, Any]:
-    out = _compact(
-        {
-            "cloud": r.cloud,
-            "region": r.region,
-            "zone": r.zone,
-            "instance_type": r.instance_type,
-            "use_spot": r.use_spot,
-            "accelerators": [str(a) for a in r.accelerators] or None,
-            "ports": list(r.ports) or None,
-            ("ordered" if r.ordered else "any_of"): [_resources_to_dict(alt) for alt in r.any_of] or None,
-        }
-    )
-    return out | _plain(r.extra)
+def spec_from_json(text: str) -> ServiceSpec:
+    """A spec from what the store keeps (`ServiceSpec.to_json()`)."""
+    return parse_spec(json.loads(text))
 
 
 # ---- YAML loading ---------------------------------------------------------------------
@@ -485,11 +240,8 @@ RESOURCE_EXTRA_KEYS = (
 )  # fmt: skip
 ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineSpec))
 KV_KEYS = tuple(f.name for f in dataclasses.fields(KVSpec))
-KNOWN_CLOUDS = (
-    "local", "aws", "gcp", "azure", "kubernetes", "k8s", "lambda", "runpod", "oci", "ibm",
-    "nebius", "paperspace", "cudo", "fluidstack", "vast", "do", "scp", "vsphere", "ssh",
-)  # fmt: skip
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+_CLOUD_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt])?(i)?b?\s*$", re.IGNORECASE)
 
@@ -505,7 +257,7 @@ def parse_spec(data: Any, name: str | None = None) -> ServiceSpec:
             top.mapping("resources", (*RESOURCE_KEYS, "any_of", "ordered", *RESOURCE_EXTRA_KEYS))
         ),
         kv=_parse_kv(top.mapping("kv", KV_KEYS)),
-        task={k: _plain(top.data[k]) for k in TASK_KEYS if k in top.data},
+        task={k: plain(top.data[k]) for k in TASK_KEYS if k in top.data},
     )
 
 
@@ -552,7 +304,7 @@ def _parse_probe(svc: _Fields) -> ReadinessProbe:
             path=f.string("path"),
             initial_delay_seconds=f.number("initial_delay_seconds", 1200.0, minimum=0),
             timeout_seconds=f.number("timeout_seconds", 15.0, positive=True),
-            post_data=_plain(post_data) if post_data is not None else None,
+            post_data=plain(post_data) if post_data is not None else None,
             headers=dict(headers),
             endpoint_probe_interval_seconds=f.number("endpoint_probe_interval_seconds", positive=True),
             consecutive_failure_threshold_timeout=f.number(
@@ -633,7 +385,7 @@ def _parse_service(svc: _Fields) -> ServiceSection:
         ports=svc.integer("ports", minimum=1, maximum=65535),
         tls=tls,
         placement_policy=policy_name,
-        extra={k: _plain(svc.data[k]) for k in SERVICE_EXTRA_KEYS if svc.has(k)},
+        extra={k: plain(svc.data[k]) for k in SERVICE_EXTRA_KEYS if svc.has(k)},
     )
 
 
@@ -701,12 +453,8 @@ def _parse_resources(f: _Fields, *, nested: bool = False) -> Resources:
         cloud, region, zone = (parts + [None, None])[:3]
     if cloud is not None:
         cloud = cloud.lower()
-        if cloud not in KNOWN_CLOUDS:
-            close = difflib.get_close_matches(cloud, KNOWN_CLOUDS, n=1)
-            hint = (
-                f"; did you mean {close[0]!r}?" if close else f"; expected one of {', '.join(KNOWN_CLOUDS)}"
-            )
-            raise f.error("cloud", f"unknown cloud {cloud!r}{hint}")
+        if not _CLOUD_RE.match(cloud):  # which clouds exist is the provider registry's to say
+            raise f.error("cloud", f"expected a cloud name (letters, digits, '-'), got {cloud!r}")
     alternatives: tuple[Resources, ...] = ()
     for key in ("any_of", "ordered"):
         if not f.has(key):
@@ -734,7 +482,7 @@ def _parse_resources(f: _Fields, *, nested: bool = False) -> Resources:
         ports=_parse_ports(f),
         any_of=alternatives,
         ordered=f.has("ordered"),
-        extra={k: _plain(f.data[k]) for k in RESOURCE_EXTRA_KEYS if f.has(k)},
+        extra={k: plain(f.data[k]) for k in RESOURCE_EXTRA_KEYS if f.has(k)},
     )
 
 

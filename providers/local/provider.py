@@ -54,32 +54,26 @@ API:
 from __future__ import annotations
 
 import builtins
-import contextlib
 import dataclasses
-import fcntl
-import json
 import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
-import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.common import paths
-
-from orchestrator.common import procs
+from orchestrator.common import paths, procs
 from providers.base import (
     CapacityError,
     Instance,
     InstanceStatus,
     LaunchRequest,
     Location,
+    MachineRuntime,
     Market,
     Notice,
     NoticeKind,
@@ -87,9 +81,19 @@ from providers.base import (
     Provider,
     ProviderError,
 )
+from providers.local import processes
+from providers.local.records import Records
+from providers.local.zones import (
+    CLOUD,
+    DEFAULT_ZONES,
+    REGION,
+    ZonePrices,
+    default_root,
+    normalize_zones,
+    zones_from_json,
+    zones_to_json,
+)
 
-CLOUD = "local"
-REGION = "local"
 # Passed to every replica process: where a notice for it appears (the local IMDS), its id.
 NOTICE_FILE_ENV = "SPOT_ORCHESTRATOR_LOCAL_NOTICE_FILE"
 INSTANCE_ID_ENV = "SPOT_ORCHESTRATOR_INSTANCE_ID"
@@ -97,173 +101,11 @@ TERMINATED_RETENTION_S = 3600.0  # like EC2, terminated instances stay listed fo
 _KILLING_NOTICES = (NoticeKind.PREEMPT, NoticeKind.MAINTENANCE)  # a rebalance only warns
 
 
-@dataclasses.dataclass(frozen=True)
-class ZonePrices:
-    spot: float
-    on_demand: float
-
-
-# Spot well below on-demand, and different per zone so that price-aware policies have a choice.
-DEFAULT_ZONES: dict[str, ZonePrices] = {
-    "local-a": ZonePrices(spot=0.30, on_demand=1.00),
-    "local-b": ZonePrices(spot=0.36, on_demand=1.00),
-    "local-c": ZonePrices(spot=0.42, on_demand=1.10),
-}
-
-
-def _default_root() -> Path:
-    return paths.home() / "local-cloud"
-
-
-def _zones_from_json(data: Mapping[str, Any]) -> dict[str, ZonePrices]:
-    return {zone: ZonePrices(float(p["spot"]), float(p["on_demand"])) for zone, p in data.items()}
-
-
-def configured_locations(root: Path | None = None) -> list[Location]:
-    """The local cloud's zones (as last configured by a LocalProvider), without starting one."""
-    path = (root or _default_root()) / "zones.json"
-    try:
-        zones = _zones_from_json(json.loads(path.read_text()))
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        zones = DEFAULT_ZONES
-    return [Location(CLOUD, REGION, zone) for zone in zones]
-
-
-def _scratch_dir(instance_id: str) -> Path:
-    # Directly in the system's temp folder, not under the cloud's root: a unix socket's path
-    # (vLLM's IPC sockets live here) may not exceed 107 bytes.
-    return Path(tempfile.gettempdir()) / f"spot-{instance_id}"
-
-
-# ---- processes (liveness in orchestrator/common/procs.py) -----------------------------------
-
-_CHILDREN: dict[int, subprocess.Popen] = {}  # processes this interpreter started: reap them
-
-
-def _reap(pid: int) -> None:
-    child = _CHILDREN.get(pid)
-    if child is not None and child.poll() is not None:
-        del _CHILDREN[pid]
-
-
-def _pid_alive(pid: int, start_time: int | None) -> bool:
-    _reap(pid)  # a child of ours stays a zombie (and its pid taken) until it is waited for
-    return procs.pid_alive(pid, start_time)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    if pgid <= 1 or pgid == os.getpgrp():  # never signal ourselves or init, whatever a record says
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        _reap(pgid)
-        if not procs.group_members(pgid):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-
-
-def _kill_group(pgid: int, stop_timeout_s: float) -> None:
-    """SIGTERM the whole group, SIGKILL what is left after stop_timeout_s; wait until empty."""
-    _signal_group(pgid, signal.SIGTERM)
-    if not _wait_group_gone(pgid, stop_timeout_s):
-        _signal_group(pgid, signal.SIGKILL)
-        _wait_group_gone(pgid, 10.0)
-
-
-def _free_port(avoid: set[int]) -> int:
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port not in avoid:
-            return port
-
-
-def _substitute(text: str, values: Mapping[str, str]) -> str:
-    # str.replace, not str.format: commands carry JSON (e.g. --kv-transfer-config '{...}').
-    for key, value in values.items():
-        text = text.replace("{" + key + "}", value)
-    return text
-
-
-# ---- the on-disk registry ---------------------------------------------------------------
-
-
-class _Registry:
-    """The local cloud's state: one JSON file per instance plus zones and capacity, all
-    read-modify-written under one exclusive file lock (shared by every process)."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.instances_dir = root / "instances"
-        self.instances_dir.mkdir(parents=True, exist_ok=True)
-        self.notices_dir = root / "notices"  # what each replica sees (its local "IMDS")
-        self.notices_dir.mkdir(exist_ok=True)
-        self._lock_path = root / "lock"
-
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        # A fresh open file description per call, so threads of one process exclude each
-        # other too. Not reentrant: never nest.
-        with open(self._lock_path, "a+") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
-
-    def write_path(self, path: Path, data: Any) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)  # atomic: a reader never sees half a file
-
-    def read_json(self, name: str, default: Any) -> Any:
-        try:
-            return json.loads((self.root / name).read_text())
-        except (FileNotFoundError, ValueError):
-            return default
-
-    def write_json(self, name: str, data: Any) -> None:
-        self.write_path(self.root / name, data)
-
-    def instance(self, instance_id: str) -> dict[str, Any] | None:
-        if "/" in instance_id or not instance_id:
-            return None
-        try:
-            return json.loads((self.instances_dir / f"{instance_id}.json").read_text())
-        except (FileNotFoundError, ValueError):
-            return None
-
-    def instances(self) -> builtins.list[dict[str, Any]]:
-        out = []
-        for path in sorted(self.instances_dir.glob("*.json")):
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                out.append(json.loads(path.read_text()))
-        return out
-
-    def save(self, record: dict[str, Any]) -> None:
-        self.write_path(self.instances_dir / f"{record['instance_id']}.json", record)
-
-    def remove(self, instance_id: str) -> None:
-        for path in (self.instances_dir / f"{instance_id}.json", self.notice_file(instance_id)):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-
-    def notice_file(self, instance_id: str) -> Path:
-        return self.notices_dir / f"{instance_id}.json"
-
-
 class LocalProvider(Provider):
     """The `local` cloud (see the module docstring)."""
 
     name = CLOUD
+    cheap_offers = True
 
     def __init__(
         self,
@@ -274,21 +116,23 @@ class LocalProvider(Provider):
         accelerator_count: int = 1,
         instance_type: str = "local-cpu",
         stop_timeout_s: float = 5.0,
+        replica_python: Path | None = None,
     ):
-        self.root = Path(root) if root is not None else _default_root()
+        self.root = Path(root) if root is not None else default_root()
+        self.replica_python = Path(replica_python or paths.replica_python())
         self.accelerator = accelerator
         self.accelerator_count = accelerator_count
         self.instance_type = instance_type
         self.stop_timeout_s = stop_timeout_s
-        self._registry = _Registry(self.root)
+        self._registry = Records(self.root)
         self._timers: dict[str, threading.Timer] = {}
         self._timers_lock = threading.Lock()
         self._closed = False
         with self._registry.locked():
             if zones is not None:
-                self._registry.write_json("zones.json", _zones_to_json(_normalize_zones(zones)))
+                self._registry.write_json("zones.json", zones_to_json(normalize_zones(zones)))
             elif self._registry.read_json("zones.json", None) is None:
-                self._registry.write_json("zones.json", _zones_to_json(DEFAULT_ZONES))
+                self._registry.write_json("zones.json", zones_to_json(DEFAULT_ZONES))
             pending = [r for r in self._registry.instances() if _pending_kill(r)]
         for record in pending:  # a restarted daemon still kills at the deadlines set before
             self._arm_timer(record["instance_id"], record["notice"]["deadline"])
@@ -296,17 +140,23 @@ class LocalProvider(Provider):
     # ---- zones, prices, capacity ----------------------------------------------------
 
     def zones(self) -> dict[str, ZonePrices]:
-        return _zones_from_json(self._registry.read_json("zones.json", _zones_to_json(DEFAULT_ZONES)))
+        return zones_from_json(self._registry.read_json("zones.json", zones_to_json(DEFAULT_ZONES)))
 
-    def locations(self) -> builtins.list[Location]:
+    def locations(self, accelerator: str | None = None) -> builtins.list[Location]:
         return [Location(CLOUD, REGION, zone) for zone in self.zones()]
+
+    def runtime(self) -> MachineRuntime:
+        # The machines are processes of this host: the replica environment's interpreter,
+        # loopback, vLLM's CPU build; notices come from this provider's own feed.
+        return MachineRuntime(python=str(self.replica_python), bind_host="127.0.0.1", on_cpu=True,
+                              shares_host_files=True, notice_watcher=None)
 
     def set_price(self, zone: str, market: Market, price: float) -> None:
         with self._registry.locked():
             zones = self._check_zone(zone)
             old = zones[zone]
             zones[zone] = dataclasses.replace(old, **{_price_field(Market(market)): float(price)})
-            self._registry.write_json("zones.json", _zones_to_json(zones))
+            self._registry.write_json("zones.json", zones_to_json(zones))
 
     def set_capacity(self, zone: str, market: Market, n: int | None) -> None:
         """Cap running instances of `market` in `zone` at n (None: unlimited)."""
@@ -378,22 +228,22 @@ class LocalProvider(Provider):
         self, request: LaunchRequest, market: Market, prices: ZonePrices, used: set[int]
     ) -> dict[str, Any]:
         instance_id = f"local-{secrets.token_hex(4)}"
-        port = request.port or _free_port(used)
-        agent_port = _free_port(used | {port})
-        control_port = _free_port(used | {port, agent_port})
+        port = request.port or processes.free_port(used)
+        agent_port = processes.free_port(used | {port})
+        control_port = processes.free_port(used | {port, agent_port})
         values = {"port": str(port), "agent_port": str(agent_port), "control_port": str(control_port),
                   "instance_id": instance_id}
         notice_file = self._registry.notice_file(instance_id)
-        scratch = _scratch_dir(instance_id)
+        scratch = processes.scratch_dir(instance_id)
         scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = {
             **os.environ,
             "TMPDIR": str(scratch),
-            **{k: _substitute(str(v), values) for k, v in request.env.items()},
+            **{k: processes.substitute(str(v), values) for k, v in request.env.items()},
             NOTICE_FILE_ENV: str(notice_file),
             INSTANCE_ID_ENV: instance_id,
         }
-        command = [_substitute(str(arg), values) for arg in request.command]
+        command = [processes.substitute(str(arg), values) for arg in request.command]
         log_path = paths.logs_dir() / f"{request.replica_id}.{instance_id}.log"
         with open(log_path, "ab") as log:
             try:
@@ -411,7 +261,7 @@ class LocalProvider(Provider):
                 raise ProviderError(
                     f"launch of {request.replica_id}: cannot run {command[0]!r}: {err.strerror}"
                 ) from None
-        _CHILDREN[proc.pid] = proc
+        processes.track(proc)
         procs.lower_machine_priority(proc.pid)  # a machine of its own in a real cloud
         stat = procs.proc_stat(proc.pid)
         return {
@@ -448,8 +298,8 @@ class LocalProvider(Provider):
             self._registry.save(record)
         self._cancel_timer(instance_id)
         # Outside the lock: stopping may take stop_timeout_s and others must not wait for it.
-        if _pid_alive(record["pid"], record["start_time"]) or procs.group_members(record["pgid"]):
-            _kill_group(record["pgid"], self.stop_timeout_s)
+        if processes.pid_alive(record["pid"], record["start_time"]) or procs.group_members(record["pgid"]):
+            processes.kill_group(record["pgid"], self.stop_timeout_s)
         with self._registry.locked():
             record = self._registry.instance(instance_id)
             if record is not None and record["status"] != "terminated":
@@ -487,11 +337,11 @@ class LocalProvider(Provider):
     def _observe(self, record: dict[str, Any]) -> Instance:
         """The instance as it is now; a process found dead is recorded as terminated.
         Call with the registry lock held."""
-        if record["status"] != "terminated" and not _pid_alive(record["pid"], record["start_time"]):
+        if record["status"] != "terminated" and not processes.pid_alive(record["pid"], record["start_time"]):
             # The "machine" is its leader process: when that exits, the instance is gone, and
             # so must be whatever it left behind in its group (e.g. vLLM's engine process).
-            _signal_group(record["pgid"], signal.SIGKILL)
-            _wait_group_gone(record["pgid"], 10.0)
+            processes.signal_group(record["pgid"], signal.SIGKILL)
+            processes.wait_group_gone(record["pgid"], 10.0)
             self._mark_terminated(record, "exited")
         status = {
             "running": InstanceStatus.RUNNING,
@@ -503,7 +353,8 @@ class LocalProvider(Provider):
     def _mark_terminated(self, record: dict[str, Any], reason: str) -> None:
         record.update(status="terminated", terminated_at=time.time(), reason=record["reason"] or reason)
         self._registry.save(record)
-        shutil.rmtree(_scratch_dir(record["instance_id"]), ignore_errors=True)  # the machine's disk goes with it
+        # The machine's disk goes with it.
+        shutil.rmtree(processes.scratch_dir(record["instance_id"]), ignore_errors=True)
 
     def _instance(self, record: dict[str, Any], status: InstanceStatus) -> Instance:
         return Instance(
@@ -601,8 +452,8 @@ class LocalProvider(Provider):
             if record is None or not _pending_kill(record) or record["notice"]["deadline"] > time.time():
                 return
             # The cloud reclaims the machine: no SIGTERM, no grace beyond the notice.
-            _signal_group(record["pgid"], signal.SIGKILL)
-            _wait_group_gone(record["pgid"], 10.0)
+            processes.signal_group(record["pgid"], signal.SIGKILL)
+            processes.wait_group_gone(record["pgid"], 10.0)
             record["reason"] = "preempted"
             self._mark_terminated(record, "preempted")
         self._cancel_timer(instance_id)
@@ -649,22 +500,6 @@ def _ports(record: dict[str, Any]) -> set[int]:
 
 def _price_field(market: Market) -> str:
     return "spot" if market is Market.SPOT else "on_demand"
-
-
-def _normalize_zones(zones: Mapping[str, ZonePrices] | Sequence[str]) -> dict[str, ZonePrices]:
-    if isinstance(zones, Mapping):
-        out = dict(zones)
-    else:  # names only: staggered prices so the zones still differ
-        out = {
-            zone: ZonePrices(spot=round(0.30 + 0.06 * i, 2), on_demand=1.00) for i, zone in enumerate(zones)
-        }
-    if not out:
-        raise ProviderError("the local cloud needs at least one zone")
-    return out
-
-
-def _zones_to_json(zones: Mapping[str, ZonePrices]) -> dict[str, dict[str, float]]:
-    return {zone: dataclasses.asdict(p) for zone, p in zones.items()}
 
 
 def _rfc3339(ts: float) -> str:

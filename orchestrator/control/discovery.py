@@ -1,0 +1,73 @@
+"""Where the running daemon is: the `daemon.json` file in the state directory (pid, url).
+
+The daemon writes it when its API listens (`write_daemon_info`) and removes it at exit; the
+CLI reads it and checks /v1/health (`running_daemon_url`), and starts a daemon in the
+background when none answers (`start_daemon_in_background`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from orchestrator.common import paths, procs
+from orchestrator.common.errors import UserError
+
+# 0 = any free port (tests run several daemons side by side).
+DEFAULT_PORT = int(os.environ.get("SPOT_ORCHESTRATOR_DAEMON_PORT", "8470"))
+
+
+def daemon_info_path() -> Path:
+    return paths.home() / "daemon.json"
+
+
+def read_daemon_info() -> dict[str, Any] | None:
+    try:
+        return json.loads(daemon_info_path().read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def running_daemon_url() -> str | None:
+    info = read_daemon_info()
+    if not info or not procs.pid_alive(int(info.get("pid", 0))):
+        return None
+    try:
+        r = httpx.get(f"{info['url']}/v1/health", timeout=2.0)
+        return info["url"] if r.status_code == 200 else None
+    except httpx.TimeoutException:
+        # Its process is alive and its port did not refuse: a daemon busy for a moment on a
+        # loaded machine, not a missing one (and `up` must not start a second one beside it).
+        return info["url"]
+    except httpx.HTTPError:
+        return None
+
+
+def start_daemon_in_background(port: int | None = None, wait_s: float = 60.0) -> str:
+    """Start `spotctl daemon` detached (its own session, output to the daemon log)."""
+    log = paths.logs_dir() / "daemon.log"
+    cmd = [sys.executable, "-m", "orchestrator.control.daemon"]
+    cmd += ["--port", str(DEFAULT_PORT if port is None else port)]
+    with open(log, "ab") as out:
+        subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        url = running_daemon_url()
+        if url:
+            return url
+        time.sleep(0.2)
+    raise UserError(f"the daemon did not start within {wait_s:.0f}s; see {log}")
+
+
+def write_daemon_info(url: str) -> None:
+    path = daemon_info_path()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "url": url, "started_at": time.time()}))
+    os.replace(tmp, path)
