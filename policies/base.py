@@ -107,6 +107,9 @@ class Launch:
     location: Location
     market: Market
     reason: str
+    # The offer's instance type, when the policy chooses one; else the cheapest offer of the
+    # service's accelerator there (orchestrator.fleet.decisions.offer_for).
+    instance_type: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,13 +15,13 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError
 
-from providers.catalog.loader import Catalog, accelerator_for, gpu_instance_types, load_catalog
+from providers.catalog.loader import Catalog, accelerator_for, gpu_instance_types, load_catalog, snapshot_offers
 from providers.base import (
     TAG_MANAGED,
     TAG_REPLICA,
@@ -29,6 +29,7 @@ from providers.base import (
     AuthError,
     CapacityError,
     Instance,
+    Instances,
     InstanceStatus,
     LaunchRequest,
     Location,
@@ -102,6 +103,10 @@ def _parse_time(value) -> float:
 
 class AWSProvider(Provider):
     name = "aws"
+
+    @classmethod
+    def snapshot_offers(cls, accelerator: str | None = None, count: int | None = None) -> list[Offer]:
+        return snapshot_offers("aws", accelerator, count)
 
     def __init__(self, regions: list[str] | None = None, *, session: boto3.session.Session | None = None,
                  endpoint_url: str | None = None, clients: dict[str, object] | None = None,
@@ -256,23 +261,33 @@ class AWSProvider(Provider):
                     return None if instance.status is InstanceStatus.TERMINATED else instance
         return None
 
-    def list(self, tags: dict[str, str] | None = None) -> list[Instance]:
+    def list(self, tags: dict[str, str] | None = None, regions: Iterable[str] | None = None) -> Instances:
         wanted = tags or {TAG_MANAGED: "true"}
         filters = [{"Name": f"tag:{k}", "Values": [v]} for k, v in sorted(wanted.items())]
         filters.append({"Name": "instance-state-name", "Values": LIVE_STATES})
-        out = []
-        for region in self.regions:
+        searched = sorted(set(regions)) if regions else self.regions
+        out, unknown, errors = [], [], []
+        for region in searched:
             ec2 = self._ec2(region)
 
             def fetch(ec2=ec2):
                 pages = ec2.get_paginator("describe_instances").paginate(Filters=filters)
                 return [item for page in pages for r in page.get("Reservations", []) for item in r["Instances"]]
 
-            for item in self._call(fetch):
+            try:
+                items = self._call(fetch)
+            except ProviderError as err:  # one region (e.g. not opted in) must not hide the others
+                log.warning("aws %s: listing instances failed: %s", region, err)
+                unknown.append(region)
+                errors.append(err)
+                continue
+            for item in items:
                 instance = self._to_instance(item, region)
                 self._region_of[instance.instance_id] = region
                 out.append(instance)
-        return out
+        if searched and len(unknown) == len(searched) and isinstance(errors[-1], AuthError):
+            raise errors[-1]
+        return Instances(out, unknown)
 
     def terminate(self, instance_id: str) -> None:
         for region in self._regions_to_search(instance_id):

@@ -16,7 +16,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import requests
 from azure.core.exceptions import (
@@ -29,12 +29,13 @@ from azure.core.exceptions import (
 from azure.mgmt.compute import ComputeManagementClient
 from azure.mgmt.compute import models as m
 
-from providers.catalog.loader import Catalog, accelerator_for, gpu_instance_types, load_catalog
+from providers.catalog.loader import Catalog, accelerator_for, gpu_instance_types, load_catalog, snapshot_offers
 from providers.base import (
     TAG_MANAGED,
     AuthError,
     CapacityError,
     Instance,
+    Instances,
     InstanceStatus,
     LaunchRequest,
     Location,
@@ -99,6 +100,10 @@ def vm_name(request: LaunchRequest) -> str:
 
 class AzureProvider(Provider):
     name = "azure"
+
+    @classmethod
+    def snapshot_offers(cls, accelerator: str | None = None, count: int | None = None) -> list[Offer]:
+        return snapshot_offers("azure", accelerator, count)
 
     def __init__(self, subscription_id: str | None = None, resource_group: str = "spot-orchestrator",
                  regions: list[str] | None = None, *, credential=None, base_url: str | None = None,
@@ -281,12 +286,12 @@ class AzureProvider(Provider):
             return None
         return reply.json() if reply.status_code == 200 else None
 
-    def list(self, tags: dict[str, str] | None = None) -> list[Instance]:
+    def list(self, tags: dict[str, str] | None = None, regions: Iterable[str] | None = None) -> Instances:
         wanted = tags or {TAG_MANAGED: "true"}
         compute = self._compute()
         vms = self._call(lambda: list(compute.virtual_machines.list(self.resource_group, **self._kw)))
-        return [self._to_instance(vm) for vm in vms
-                if all((vm.tags or {}).get(k) == v for k, v in wanted.items())]
+        return Instances(self._to_instance(vm) for vm in vms
+                         if all((vm.tags or {}).get(k) == v for k, v in wanted.items()))
 
     def terminate(self, instance_id: str) -> None:
         compute = self._compute()

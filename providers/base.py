@@ -1,8 +1,10 @@
 """The Provider interface: the whole contract a cloud must implement, and its value types.
 
-Kept deliberately small, like Karpenter's cloudprovider interface: everything clever
-(placement, hedging, migration) lives above it. Policies and the simulator import the
-value types from here, never the other way round.
+Kept small, like Karpenter's cloud provider interface: everything clever (placement, hedging,
+migration) lives above it, and nothing above it branches on a cloud's name. The control plane
+(orchestrator/control) calls these methods; policies and the simulator import only the value
+types. Each method's docstring says what it must do and what it raises; every error is one of
+the typed errors below, with a one-line message fit to show a user.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Offer:
     market: Market
     price_per_hour: float
     observed_at: float = dataclasses.field(default_factory=time.time)
+    source: str = ""  # where the price comes from: live, catalog, snapshot ("" = not said)
 
     @property
     def price_per_accelerator_hour(self) -> float:
@@ -92,6 +95,8 @@ class Offers(list):
 
 @dataclasses.dataclass(frozen=True)
 class LaunchRequest:
+    """One replica's machine, as the policy's offer chose it (cloud, zone, type, market)."""
+
     service: str
     replica_id: str
     location: Location
@@ -99,12 +104,19 @@ class LaunchRequest:
     instance_type: str
     accelerator: str | None = None
     accelerator_count: int = 0
-    # What the replica runs: the engine command line and environment (providers that start
-    # machines put this in the startup script; the local cloud runs it as a process).
+    # What the replica runs, for machines on this host (MachineRuntime.on_this_host): the
+    # command line and environment, with {port}/{agent_port}/{control_port} placeholders.
     command: Sequence[str] = ()
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The engine's port (for the endpoint) and every port the replica listens on.
     port: int | None = None
+    ports: tuple[int, ...] = ()
     tags: dict[str, str] = dataclasses.field(default_factory=dict)
+    # For a VM: the rendered boot script (user-data, startup-script, customData) and the image
+    # (None: the provider's default image with NVIDIA drivers).
+    boot_script: str | None = None
+    image_id: str | None = None
+    price_per_hour: float | None = None
 
     @property
     def client_token(self) -> str:
@@ -129,6 +141,8 @@ class InstanceStatus(str, enum.Enum):
 
 @dataclasses.dataclass
 class Instance:
+    """A machine as the cloud reports it; endpoints are filled once its address is known."""
+
     instance_id: str
     location: Location
     market: Market
@@ -209,58 +223,129 @@ class MachineRuntime:
     """How a provider's machines run the replica program; the launcher reads it, so that the
     control plane never branches on a cloud's name."""
 
-    python: str = "python3"  # the replica runtime's interpreter on the machine
-    bind_host: str = "0.0.0.0"  # the address the engine and the agent listen on
+    python: str = "python3"  # the replica runtime's interpreter, for machines on this host
+    bind_host: str = "{host}"  # the address the engine and agent listen on ({host}: the VM's own)
     on_cpu: bool = False  # the engine is vLLM's CPU build (eager mode, bf16, 32-token blocks)
-    shares_host_files: bool = False  # the machine reads this host's files (a secret by path)
+    # The machines are processes of this host: they read its files (a secret by path), reach
+    # its loopback, and run `LaunchRequest.command` as is; other machines run the boot script.
+    on_this_host: bool = False
     notice_watcher: str | None = None  # the in-VM notice watcher's entry point name, if any
 
 
+@dataclasses.dataclass(frozen=True)
+class ServiceNetwork:
+    """What `Provider.prepare_network` opens for one service: the replicas' ports, to the
+    daemon's address(es) and to the service's own replicas, nothing else."""
+
+    service: str
+    ports: tuple[int, ...]
+    allowed_cidrs: tuple[str, ...]  # e.g. the daemon's public address as "203.0.113.5/32"
+    regions: tuple[str, ...]  # where the service's replicas may run
+
+
+class Instances(list):
+    """What `Provider.list` returns: the instances found, and the regions that could not be
+    read this time (their instances are unknown, not gone: the controller must not count
+    them as preempted)."""
+
+    def __init__(self, items: Iterable[Instance] = (), unknown_regions: Iterable[str] = ()):
+        super().__init__(items)
+        self.unknown_regions = frozenset(unknown_regions)
+
+    def by_id(self) -> dict[str, Instance]:
+        return {i.instance_id: i for i in self}
+
+
 class Provider(abc.ABC):
-    """What a cloud must implement. Every instance it creates carries `LaunchRequest.all_tags()`."""
+    """What a cloud must implement. Registered under the entry-point group
+    `spot_orchestrator.providers` (providers/registry.py), built with no arguments; settings come
+    from the cloud's usual credentials and SPOT_ORCHESTRATOR_* variables."""
 
     name: str = "base"
     # True when offers() is cheap and current (it reads local state): the controller asks it
     # on every pass. Otherwise the daemon's price book caches the cloud's quotes.
     cheap_offers: bool = False
+    # True when the machines are processes of this host (MachineRuntime.on_this_host).
+    machines_on_this_host: bool = False
+
+    # ---- prices and places ---------------------------------------------------------------
 
     @abc.abstractmethod
     def offers(self, accelerator: str | None = None, count: int | None = None) -> list[Offer]:
-        """Current price quotes, both markets, for the given accelerator (all when None)."""
+        """Current price quotes, both markets, for machines with that accelerator (and count;
+        all when None), in every location the provider serves. Raises AuthError,
+        TransientError or ProviderError; never returns a partial list silently."""
 
-    @abc.abstractmethod
-    def launch(self, request: LaunchRequest) -> Instance:
-        """Start an instance; idempotent on `request.client_token`. Raises typed errors."""
-
-    @abc.abstractmethod
-    def terminate(self, instance_id: str) -> None:
-        """Stop and delete; a missing instance is not an error."""
-
-    @abc.abstractmethod
-    def get(self, instance_id: str) -> Instance | None:
-        """The instance, or None when it no longer exists."""
-
-    @abc.abstractmethod
-    def list(self, tags: dict[str, str] | None = None) -> list[Instance]:
-        """Instances carrying all the given tags (all managed instances when None)."""
+    @classmethod
+    def snapshot_offers(cls, accelerator: str | None = None, count: int | None = None) -> list[Offer]:
+        """Offers from the price snapshot shipped with the provider: no credentials, no network,
+        no provider object (`spotctl up --dry-run` plans with these). Default: none."""
+        return []
 
     def locations(self, accelerator: str | None = None) -> list[Location]:
-        """Where instances with that accelerator can run (all locations when None), sorted.
+        """Where machines with that accelerator can run (all locations when None), sorted.
         The default reads them off `offers()`; a provider with a cheaper source overrides it."""
         return sorted({o.location for o in self.offers(accelerator)})
 
     def runtime(self) -> MachineRuntime:
         """How this cloud's machines run the replica program (see MachineRuntime)."""
-        return MachineRuntime(notice_watcher=self.name)
+        return self.vm_runtime()
+
+    @classmethod
+    def vm_runtime(cls) -> MachineRuntime:
+        """The runtime of a cloud whose machines are VMs that run the boot script; known without
+        a provider object (the dry run asks the class)."""
+        return MachineRuntime(notice_watcher=cls.name)
+
+    # ---- the service's network -------------------------------------------------------------
+
+    def prepare_network(self, network: ServiceNetwork) -> None:  # noqa: B027 - optional hook
+        """Make (idempotently) what the service's replicas need to be reached: a security
+        group / firewall rule / NSG that opens `network.ports` only to `allowed_cidrs` and to
+        the service's own replicas, in each of `network.regions`. Called before the service's
+        first launch and again on every `up`. Raises AuthError, QuotaError, ProviderError."""
+
+    def remove_network(self, service: str) -> None:  # noqa: B027 - optional hook
+        """Remove what `prepare_network` made for the service (at `down`, after its last
+        instance is gone); what is already gone is not an error."""
+
+    # ---- instances -------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def launch(self, request: LaunchRequest) -> Instance:
+        """Start one machine of `request.instance_type` in `request.location` on
+        `request.market`, running `request.boot_script` (a VM) or `request.command` (a machine
+        on this host), tagged with `request.all_tags()`. Idempotent on `request.client_token`:
+        a retried launch returns the machine the first one made. Raises CapacityError (no
+        capacity there now: the policy learns from it), QuotaError, AuthError, TransientError."""
+
+    @abc.abstractmethod
+    def get(self, instance_id: str) -> Instance | None:
+        """The instance with its endpoints as of now (filled once it has an address), or None
+        when it no longer exists (a terminated one counts as gone)."""
+
+    @abc.abstractmethod
+    def list(self, tags: dict[str, str] | None = None, regions: Iterable[str] | None = None) -> Instances:
+        """Instances carrying all the given tags (all managed ones when None), in `regions`
+        (the provider's own when None), with their endpoints as of now. A region that cannot
+        be read goes into `Instances.unknown_regions` instead of failing the others; raises
+        AuthError when none can be read for lack of credentials."""
+
+    @abc.abstractmethod
+    def terminate(self, instance_id: str) -> None:
+        """Stop and delete the machine and everything it owns (disks, NICs, addresses); a
+        missing instance is not an error. Raises TransientError or ProviderError."""
+
+    # ---- notices and the rest -----------------------------------------------------------------
+
+    def notices(self) -> list[Notice]:
+        """Control-plane notices seen since the last call (clouds without a feed return [])."""
+        return []
 
     def log_path(self, instance_id: str) -> Path | None:
         """A file on this host holding the instance's output, or None (a VM's console log
         stays with its cloud)."""
         return None
-
-    def notices(self) -> list[Notice]:
-        """Control-plane notices seen since the last call (clouds without a feed return [])."""
-        return []
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release clients, threads, processes the provider holds."""

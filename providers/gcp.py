@@ -14,18 +14,19 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from google.api_core import exceptions as gexc
 from google.auth import exceptions as auth_exc
 from google.cloud import compute_v1
 
-from providers.catalog.loader import GCP_ATTACHABLE, Catalog, CatalogRow, gpu_matches, load_catalog
+from providers.catalog.loader import GCP_ATTACHABLE, Catalog, CatalogRow, gpu_matches, load_catalog, snapshot_offers
 from providers.base import (
     TAG_MANAGED,
     AuthError,
     CapacityError,
     Instance,
+    Instances,
     InstanceStatus,
     LaunchRequest,
     Location,
@@ -97,6 +98,10 @@ def _parse_time(text: str) -> float:
 
 class GCPProvider(Provider):
     name = "gcp"
+
+    @classmethod
+    def snapshot_offers(cls, accelerator: str | None = None, count: int | None = None) -> list[Offer]:
+        return snapshot_offers("gcp", accelerator, count)
 
     def __init__(self, project: str | None = None, zones: list[str] | None = None, *, credentials=None,
                  host: str | None = None, url_scheme: str = "https", instances_client=None,
@@ -301,7 +306,7 @@ class GCPProvider(Provider):
             return None
         return self._to_instance(item, zone)
 
-    def list(self, tags: dict[str, str] | None = None) -> list[Instance]:
+    def list(self, tags: dict[str, str] | None = None, regions: Iterable[str] | None = None) -> Instances:
         wanted = {label(k): label(v) for k, v in (tags or {TAG_MANAGED: "true"}).items()}
         query = " AND ".join(f'labels.{k} = "{v}"' for k, v in sorted(wanted.items()))
         client = self._instances_client()
@@ -317,7 +322,7 @@ class GCPProvider(Provider):
                 zone = scope.rpartition("/")[2]
                 self._watched_zones.add(zone)
                 out.append(self._to_instance(item, zone))
-        return out
+        return Instances(out)
 
     def terminate(self, instance_id: str) -> None:
         zone, _, name = instance_id.partition("/")

@@ -45,6 +45,15 @@ def check(cloud: str, field: str = "resources.cloud") -> None:
     raise UnknownCloudError(f"{field}: unknown cloud {cloud!r}{hint} (registered: {', '.join(known) or 'none'})")
 
 
+def provider_class(cloud: str) -> type[Provider]:
+    """The Provider class registered for `cloud` (nothing is constructed); raises UnknownCloudError."""
+    check(cloud)
+    cls = _entry_points()[cloud].load()
+    if not (isinstance(cls, type) and issubclass(cls, Provider)):
+        raise TypeError(f"the entry point for cloud {cloud!r} is not a Provider class")
+    return cls
+
+
 def make(cloud: str) -> Provider:
     """A new provider of that cloud with its default settings; raises UnknownCloudError."""
     check(cloud)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from orchestrator.cli.client import DaemonClient
 from orchestrator.control.discovery import DEFAULT_PORT
 from orchestrator.common.errors import UserError
 
-console = Console()
+# A pipe (no terminal) gets whole tables, not 80 columns of wrapped cells.
+console = Console(width=None if sys.stdout.isatty() else 200)
 chaos_app = typer.Typer(help="Inject failures to watch failover happen.", no_args_is_help=True)
 
 
@@ -38,6 +40,8 @@ def _duration(secs: float) -> str:
 def up(
     spec_file: Path = typer.Argument(..., help="Service YAML (SkyServe-style `service:` + `resources:` + `engine:`)."),
     name: str = typer.Option(None, "--name", "-n", help="Service name (default: the YAML's `name` or file stem)."),
+    env: list[str] = typer.Option([], "--env", help="K=V for the spec's `envs` (K alone: from this environment)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show the replicas it would launch; launch nothing."),
     wait: bool = typer.Option(False, "--wait", help="Wait until the service has a READY replica."),
     timeout: float = typer.Option(900, "--timeout", help="Seconds to wait with --wait."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -48,8 +52,13 @@ def up(
     if not spec_file.exists():
         raise UserError(f"{spec_file}: no such file")
     spec = load_spec(spec_file)  # validate here too: errors without a round trip
+    envs = env_values(env, spec.task.get("envs") or {})
+    if dry_run:
+        _dry_run(spec, as_json)
+        return
     client = DaemonClient.connect(start=True)
-    result = client.post("/v1/services", json={"yaml": spec_file.read_text(), "name": name or spec.name})
+    result = client.post("/v1/services", json={"yaml": spec_file.read_text(), "name": name or spec.name,
+                                               "envs": envs})
     if wait:
         _wait_ready(client, result["name"], timeout, quiet=as_json)
     if as_json:
@@ -59,6 +68,56 @@ def up(
     console.print("  watch it:  spotctl status")
     console.print(f"  try it:    curl {result['endpoint']}/v1/completions -H 'Content-Type: application/json' "
                   f"-d '{{\"model\": \"{result['name']}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+
+
+def env_values(pairs: list[str], declared: dict) -> dict[str, str]:
+    """`--env K=V` / `--env K` (K's value here), and the spec's empty (null) envs filled from
+    this environment; raises UserError for a malformed pair or a K set nowhere."""
+    import os
+
+    values: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not key or not key.replace("_", "a").isalnum():
+            raise UserError(f"--env {pair!r}: expected KEY=VALUE or KEY")
+        if not sep:
+            if key not in os.environ:
+                raise UserError(f"--env {key}: not set in this environment; pass --env {key}=VALUE")
+            value = os.environ[key]
+        values[key] = value
+    for key, default in declared.items():
+        if key not in values and default is None and key in os.environ:
+            values[str(key)] = os.environ[key]
+    return values
+
+
+def _dry_run(spec, as_json: bool) -> None:
+    from orchestrator.control.plan import plan, total_per_hour
+
+    launches = plan(spec)
+    if as_json:
+        typer.echo(json.dumps([p.as_dict() for p in launches]))
+        return
+    table = Table(title=f"{spec.name}: {len(launches)} replica(s) planned, ${total_per_hour(launches):.4f}/h "
+                        "(nothing launched)")
+    for col in ("replica", "cloud", "region", "zone", "instance type", "accelerator", "market", "$/h", "price",
+                "boot script"):
+        table.add_column(col)
+    for p in launches:
+        age = f"{p.price_source or '?'}, {_age(p.price_age_s)}"
+        boot = f"{p.boot_script_bytes} B" if p.boot_script_bytes is not None else "-"
+        table.add_row(p.replica, p.cloud, p.region, p.zone, p.instance_type, f"{p.accelerator}:{p.accelerator_count}",
+                      p.market, f"{p.price_per_hour:.4f}", age, boot)
+    console.print(table)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "age unknown"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} old"
+    return f"{seconds:.0f}s old"
 
 
 def _wait_ready(client: DaemonClient, name: str, timeout: float, quiet: bool) -> None:
@@ -229,11 +288,13 @@ def daemon(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(DEFAULT_PORT, "--port",
                              help="API port (0 = any free port)."),
+    public_url: str = typer.Option(None, "--public-url",
+                                   help="The URL replica VMs reach the daemon at (or $SPOT_ORCHESTRATOR_PUBLIC_URL)."),
 ) -> None:
     """Run the control plane in the foreground (jobs + HTTP API)."""
     from orchestrator.control.daemon import serve
 
-    serve(host, port)
+    serve(host, port, public_url)
 
 
 def register(app: typer.Typer) -> None:

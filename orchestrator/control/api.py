@@ -21,14 +21,17 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, Field
 
 from orchestrator.control import auth
 from orchestrator.common.errors import UserError
 from orchestrator.fleet.lifecycle import ReplicaState
+from orchestrator.control.bootstrap import BootstrapError
 from orchestrator.control.launch import kv_secret_file
-from orchestrator.spec import load_spec, spec_from_json
+from orchestrator.control.wheel import own_wheel
+from orchestrator.control.wheel import version as wheel_version
+from orchestrator.spec import ServiceSpec, load_spec, spec_from_json
 from orchestrator.control.store import ReplicaRow, ServiceRow
 from policies.base import DEFAULT_POLICY
 from providers.base import Notice, NoticeKind
@@ -37,6 +40,13 @@ from providers.base import Notice, NoticeKind
 class ServiceUp(BaseModel):
     yaml: str = Field(min_length=1)
     name: str | None = None
+    # Values for the spec's `envs` (`spotctl up --env K=V`, or the user's environment).
+    envs: dict[str, str] = Field(default_factory=dict)
+
+
+class BootstrapRedeem(BaseModel):
+    instance_id: str = Field(min_length=1)
+    version: str = Field(min_length=1)  # the replica runtime's: it must be the daemon's
 
 
 class NoticeIn(BaseModel):
@@ -73,6 +83,20 @@ def replica_json(r: ReplicaRow) -> dict[str, Any]:
         "notice_deadline": r.notice_deadline,
         "status_message": r.status_message,
     }
+
+
+def with_envs(spec: ServiceSpec, values: dict[str, str]) -> ServiceSpec:
+    """The spec with its `envs` filled from `values`; raises UserError naming an env that the
+    spec leaves empty (null) and no value fills."""
+    envs = dict(spec.task.get("envs") or {})
+    envs.update(values)  # a K the spec does not list is added, as SkyPilot does
+    missing = sorted(k for k, v in envs.items() if v is None)
+    if missing:
+        raise UserError(f"envs.{missing[0]}: no value; pass `spotctl up --env {missing[0]}=...` "
+                        "or set it in the environment of `spotctl up`")
+    if not envs:
+        return spec
+    return spec_from_json(json.dumps({**spec.to_dict(), "envs": envs}))
 
 
 def resolved_policy_name(name: str) -> str:
@@ -140,7 +164,36 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
         spec = load_spec(body.yaml)
         if body.name:
             spec = spec_from_json(json.dumps({**spec.to_dict(), "name": body.name}))
-        return daemon.apply_spec(spec)
+        return daemon.apply_spec(with_envs(spec, body.envs))
+
+    def bootstrap_token(request: Request) -> str | None:
+        header = request.headers.get("authorization", "")
+        return header[10:].strip() if header.lower().startswith("bootstrap ") else None
+
+    @app.get("/v1/bootstrap/wheel")
+    def bootstrap_wheel(request: Request) -> FileResponse:
+        """The daemon's own wheel, for a booting VM holding an unused bootstrap token."""
+        try:
+            daemon.bootstrap.check(bootstrap_token(request))
+        except BootstrapError as err:
+            raise HTTPException(err.status, str(err)) from None
+        path = own_wheel()
+        return FileResponse(path, filename=path.name, media_type="application/octet-stream")
+
+    @app.post("/v1/bootstrap/redeem")
+    def bootstrap_redeem(body: BootstrapRedeem, request: Request) -> dict:
+        """A booting VM's secrets, once: the service's KV secret and the spec's environment."""
+        if body.version != wheel_version():
+            raise HTTPException(409, f"replica runtime {body.version} is not the daemon's {wheel_version()}")
+        try:
+            redeemed = daemon.bootstrap.redeem(bootstrap_token(request), body.instance_id)
+        except BootstrapError as err:
+            raise HTTPException(err.status, str(err)) from None
+        row = get_row(redeemed.service)
+        envs = spec_from_json(row.spec_json).task.get("envs") or {}
+        return {"service": redeemed.service, "replica_id": redeemed.replica_id,
+                "kv_secret": kv_secret_file(redeemed.service).read_text().strip(),
+                "env": {str(k): str(v) for k, v in envs.items() if v is not None}}
 
     @app.get("/v1/services", dependencies=auth_dep)
     def services() -> list[dict]:

@@ -28,7 +28,8 @@ import httpx
 from orchestrator.fleet import decisions
 from orchestrator.lb.proxy import Upstream
 from orchestrator.fleet.autoscaler import AutoscalerConfig, RequestRateAutoscaler
-from orchestrator.fleet.lifecycle import ReplicaState
+from orchestrator.common.errors import UserError
+from orchestrator.fleet.lifecycle import ReplicaState, is_alive
 from orchestrator.control.launch import ReplicaLauncher
 from orchestrator.spec import ServiceSpec, spec_from_json
 from orchestrator.control.store import ReplicaRow, ServiceStatus, Store
@@ -41,11 +42,13 @@ from policies.base import (
 )
 from providers.base import (
     TAG_SERVICE,
-    Instance,
+    Instances,
     InstanceStatus,
+    LaunchRequest,
     Location,
     Market,
     Notice,
+    Offer,
     Offers,
     Provider,
     ProviderError,
@@ -78,6 +81,7 @@ class Controller:
         on_upstreams: Callable[[list[Upstream]], None] | None = None,
         on_notice: Callable[[Notice], object] | None = None,
         clock: Callable[[], float] = time.time,
+        inline_cloud_calls: bool = False,
     ):
         self.service = service
         self.store = store
@@ -93,6 +97,12 @@ class Controller:
         self._lock = threading.RLock()  # jobs, API calls and notices may arrive concurrently
         self._http = httpx.Client(timeout=15.0)
         self._probe_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"probe-{service}")
+        # Cloud calls that take seconds (launch, terminate) run on this pool, outside the lock,
+        # so a notice is never held up by one. Tests that replay a fixed order run them inline.
+        self._cloud_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"cloud-{service}")
+        self._inline = inline_cloud_calls
+        self._terminating: set[str] = set()  # instance ids with a terminate call in flight
+        self._pass = threading.Lock()  # one reconcile pass at a time
         spec = self.spec()
         self.policy = policy or load_policy(spec.service.placement_policy)
         self._replay_market_events()
@@ -149,40 +159,70 @@ class Controller:
     # ---- the reconcile loop -------------------------------------------------------------
 
     def reconcile(self) -> None:
-        with self._lock:
+        """One pass. The cloud calls (list, notices, launches) run outside the lock that
+        notices take, so a notice never waits for a launch; a pass already running (a slow
+        launch) makes this one a no-op."""
+        if not self._pass.acquire(blocking=False):
+            return
+        try:
             svc = self.store.get_service(self.service)
             if svc is None:
                 return
             if svc.status == ServiceStatus.SHUTTING_DOWN:
                 self._shut_down_all()
                 return
-            spec = spec_from_json(svc.spec_json)
             instances = self._observe_instances()
             if instances is None:
                 return  # the provider could not be read: decide nothing on stale facts
-            self._observe_deaths(instances)
-            for notice in self._provider_notices():
+            notices = self._provider_notices()
+            with self._lock:
+                self._observe_deaths(instances)
+                self._observe_endpoints(instances)
+            for notice in notices:
                 self.on_notice(notice)
-            self._enforce_drain_deadlines()
-            self._apply_policy(spec)
-            self._advance_shutdowns(instances)
-            self._update_service_status()
-            self.publish_upstreams()
+            with self._lock:
+                spec = self.spec()
+                self._enforce_drain_deadlines()
+                launches = self._apply_policy(spec)
+                self._advance_shutdowns(instances)
+                self._update_service_status()
+                self.publish_upstreams()
+            self.carry_out(launches)
             self.reconciles += 1  # completed passes (tests and status pages read it)
+        finally:
+            self._pass.release()
 
-    def _observe_instances(self) -> dict[str, Instance] | None:
+    def regions(self) -> list[str]:
+        """The regions this service's instances may be in: its candidates' and its replicas'."""
+        known = {r.region for r in self.store.list_replicas(self.service, include_terminal=True) if r.region}
         try:
-            return {i.instance_id: i for i in self.provider.list({TAG_SERVICE: self.service})}
+            spec = self.spec()
+        except KeyError:
+            return sorted(known)
+        return sorted(known | {loc.region for loc in spec.candidate_locations(self._known_locations(spec))})
+
+    def _known_locations(self, spec: ServiceSpec, offers: Offers | None = None) -> list[Location]:
+        # Where the service may run: the spec's patterns over what the cloud offers for its
+        # accelerator (a region-only or cloud-only spec gets that region's or cloud's zones).
+        offers = Offers(self._offers()) if offers is None else offers
+        return sorted({o.location for o in offers if decisions.fits(o, spec)})
+
+    def _observe_instances(self) -> Instances | None:
+        try:
+            listed = self.provider.list({TAG_SERVICE: self.service}, regions=self.regions() or None)
         except ProviderError as err:
             log.warning("service %s: listing instances failed: %s", self.service, err)
             return None
+        return Instances(listed, getattr(listed, "unknown_regions", ()))
 
-    def _observe_deaths(self, instances: dict[str, Instance]) -> None:
+    def _observe_deaths(self, instances: Instances) -> None:
         for r in self.store.list_replicas(self.service):
             state = r.replica_state
             if not r.instance_id or state in (S.PENDING, S.PROVISIONING, S.SHUTTING_DOWN):
                 continue
-            inst = instances.get(r.instance_id)
+            if r.region in instances.unknown_regions:
+                continue  # its region could not be read this pass: unknown, not gone
+            inst = instances.by_id().get(r.instance_id)
             if inst is not None and inst.status is not InstanceStatus.TERMINATED:
                 continue
             outcome = decisions.instance_gone(state, r.market_enum)
@@ -190,6 +230,19 @@ class Controller:
                 self._apply_outcome(r, outcome, "the instance is gone (reclaimed by the cloud)", "instance gone")
             else:
                 self._apply_outcome(r, outcome, "the on-demand instance exited on its own")
+
+    def _observe_endpoints(self, instances: Instances) -> None:
+        """A VM's address is known only once it runs (Azure's not even at launch): take the
+        endpoints the provider reports now, so probes and the load balancer can reach it."""
+        for r in self.store.list_replicas(self.service):
+            inst = instances.by_id().get(r.instance_id or "")
+            if inst is None or not is_alive(r.replica_state):
+                continue
+            fresh = {k: v for k, v in (("endpoint", inst.endpoint), ("agent_endpoint", inst.agent_endpoint),
+                                       ("control_endpoint", inst.control_endpoint))
+                     if v and v != getattr(r, k)}
+            if fresh:
+                self.store.update_replica(r.replica_id, r.version, **fresh)
 
     def _provider_notices(self) -> list[Notice]:
         try:
@@ -235,11 +288,7 @@ class Controller:
 
     def policy_input(self, spec: ServiceSpec) -> PolicyInput:
         offers = Offers(self._offers())
-        acc = spec.accelerator
-        # Where the service may run: the spec's patterns over what the cloud offers for its
-        # accelerator (a region-only or cloud-only spec gets that region's or cloud's zones).
-        known = sorted({o.location for o in offers.compatible(acc.name if acc else None)})
-        locations = spec.candidate_locations(known=known)
+        locations = spec.candidate_locations(known=self._known_locations(spec, offers))
         return decisions.policy_input(
             now=self.clock(),
             target=self.autoscaler.target(self.clock()),
@@ -260,8 +309,11 @@ class Controller:
             params=spec.policy_params(),
         )
 
-    def _apply_policy(self, spec: ServiceSpec) -> None:
-        decision = self.policy.decide(self.policy_input(spec))
+    def _apply_policy(self, spec: ServiceSpec) -> list[PendingLaunch]:
+        """Carry out the policy's decision in the store; returns the launches still to be sent
+        to the cloud (`carry_out`, outside the lock)."""
+        view = self.policy_input(spec)
+        decision = self.policy.decide(view)
         by_id = {r.replica_id: r for r in self.store.list_replicas(self.service)}
         steps = decisions.plan(decision, lambda rid: by_id[rid].replica_state if rid in by_id else None)
         for removal in steps.removals:
@@ -269,18 +321,47 @@ class Controller:
             outcome = decisions.removed(r.replica_state)
             self._begin_shutdown(r, f"policy: {removal.reason}")
             self.market_event(outcome.event, r, removal.reason)
+        pending = []
         for launch in steps.launches:
-            self._launch(spec, launch.location, launch.market, launch.reason)
+            offer = decisions.offer_for(launch, view.offers, spec)
+            if offer is None:
+                log.warning("service %s: no %s offer in %s for %s; launch skipped", self.service,
+                            launch.market.value, launch.location, spec.accelerators_wanted() or "the spec")
+                continue
+            job = self._launch(spec, offer, launch.reason)
+            if job is not None:
+                pending.append(job)
+        return pending
 
-    def _launch(self, spec: ServiceSpec, location: Location, market: Market, reason: str) -> None:
+    def carry_out(self, launches: list[PendingLaunch]) -> None:
+        """Send the launches to the cloud, in parallel, and record each outcome."""
+        if len(launches) == 1 or self._inline:
+            for job in launches:
+                self._carry_out_launch(*job)
+        elif launches:
+            list(self._cloud_pool.map(lambda job: self._carry_out_launch(*job), launches))
+
+    def _launch(self, spec: ServiceSpec, offer: Offer, reason: str) -> PendingLaunch | None:
+        """Record the replica (PROVISIONING) and build its request; the cloud call comes after
+        (`carry_out`), and the policy counts the replica as launching meanwhile."""
+        location, market = offer.location, offer.market
         row = self.store.add_replica(
             self.service, cloud=location.cloud, region=location.region, zone=location.zone, market=market.value
         )
         self.store.record_event(
-            "launch", service=self.service, replica_id=row.replica_id, location=location, market=market, message=reason
+            "launch", service=self.service, replica_id=row.replica_id, location=location, market=market,
+            message=f"{reason} ({offer.instance_type}, ${offer.price_per_hour:.4f}/h)",
         )
-        row = self._set_state(row, S.PROVISIONING, reason)
-        request = self.launcher.request(spec, row, location, market, self.provider.runtime())
+        row = self._set_state(row, S.PROVISIONING, reason, instance_type=offer.instance_type,
+                              price_per_hour=offer.price_per_hour)
+        try:
+            request = self.launcher.request(spec, row, offer, self.provider.runtime())
+        except UserError as err:  # e.g. the demo model could not be built: a failed launch, said once
+            self._apply_outcome(row, decisions.launch_failed(ProviderError(str(err))), f"launch failed: {err}")
+            return None
+        return row, request, reason
+
+    def _carry_out_launch(self, row: ReplicaRow, request: LaunchRequest, reason: str) -> None:
         try:
             inst = self.provider.launch(request)
         except ProviderError as err:
@@ -292,21 +373,38 @@ class Controller:
                 why = f"transient launch error: {err}"
             else:
                 why = f"launch failed: {err}"
-            self._apply_outcome(row, outcome, why, str(err))
+            with self._lock:
+                self._apply_outcome(self._current(row), outcome, why, str(err))
             return
-        self._apply_outcome(
-            row,
-            decisions.LAUNCH_GRANTED,
-            f"instance {inst.instance_id} running",
-            reason,
-            instance_id=inst.instance_id,
-            instance_type=inst.instance_type,
-            endpoint=inst.endpoint,
-            agent_endpoint=inst.agent_endpoint,
-            control_endpoint=inst.control_endpoint,
-            launched_at=inst.launched_at,
-            price_per_hour=inst.price_per_hour,
-        )
+        except Exception as err:  # a provider bug must not leave the replica PROVISIONING forever
+            log.exception("service %s: launch of %s failed", self.service, row.replica_id)
+            with self._lock:
+                self._apply_outcome(self._current(row), decisions.launch_failed(ProviderError(str(err))),
+                                    f"launch failed: {type(err).__name__}: {err}")
+            return
+        with self._lock:
+            current = self._current(row)
+            if current.replica_state is not S.PROVISIONING:  # removed (or `down`) while launching
+                self._terminate(inst.instance_id)
+                self.store.update_replica(current.replica_id, current.version, instance_id=inst.instance_id)
+                return
+            self._apply_outcome(
+                current,
+                decisions.LAUNCH_GRANTED,
+                f"instance {inst.instance_id} running",
+                reason,
+                instance_id=inst.instance_id,
+                instance_type=inst.instance_type or request.instance_type,
+                endpoint=inst.endpoint,
+                agent_endpoint=inst.agent_endpoint,
+                control_endpoint=inst.control_endpoint,
+                launched_at=inst.launched_at,
+                price_per_hour=inst.price_per_hour or request.price_per_hour,
+            )
+            self.publish_upstreams()
+
+    def _current(self, row: ReplicaRow) -> ReplicaRow:
+        return self.store.get_replica(row.replica_id) or row
 
     def _begin_shutdown(self, r: ReplicaRow, reason: str) -> None:
         state = decisions.removed(r.replica_state).state
@@ -315,16 +413,32 @@ class Controller:
             self._terminate(r.instance_id)
 
     def _terminate(self, instance_id: str) -> None:
-        try:
-            self.provider.terminate(instance_id)
-        except ProviderError as err:
-            log.warning("terminate %s failed (will retry): %s", instance_id, err)
+        """Terminate in the background, once at a time per instance (every pass asks again
+        until the instance is gone)."""
+        if instance_id in self._terminating:
+            return
+        self._terminating.add(instance_id)
 
-    def _advance_shutdowns(self, instances: dict[str, Instance]) -> None:
+        def job() -> None:
+            try:
+                self.provider.terminate(instance_id)
+            except ProviderError as err:
+                log.warning("terminate %s failed (will retry): %s", instance_id, err)
+            except Exception:
+                log.exception("terminate %s failed (will retry)", instance_id)
+            finally:
+                self._terminating.discard(instance_id)
+
+        if self._inline:
+            job()
+        else:
+            self._cloud_pool.submit(job)
+
+    def _advance_shutdowns(self, instances: Instances) -> None:
         for r in self.store.list_replicas(self.service):
-            if r.replica_state is not S.SHUTTING_DOWN:
+            if r.replica_state is not S.SHUTTING_DOWN or r.region in instances.unknown_regions:
                 continue
-            inst = instances.get(r.instance_id or "")
+            inst = instances.by_id().get(r.instance_id or "")
             if inst is None or inst.status is InstanceStatus.TERMINATED:
                 self._set_state(r, S.TERMINATED, "instance gone")
             else:
@@ -332,21 +446,24 @@ class Controller:
 
     def _shut_down_all(self) -> None:
         """`down`: terminate everything; the service row goes when every instance is gone."""
-        instances = self._observe_instances() or {}
-        for r in self.store.list_replicas(self.service):
-            if r.replica_state is not S.SHUTTING_DOWN:
-                self._begin_shutdown(r, "service is shutting down")
-        for inst in instances.values():
+        instances = self._observe_instances() or Instances()
+        with self._lock:
+            for r in self.store.list_replicas(self.service):
+                if r.replica_state is not S.SHUTTING_DOWN:
+                    self._begin_shutdown(r, "service is shutting down")
+        for inst in instances:
             if inst.status is not InstanceStatus.TERMINATED:
                 self._terminate(inst.instance_id)
-        self._advance_shutdowns(self._observe_instances() or {})
-        self.publish_upstreams()
+        after = self._observe_instances() or Instances()
+        with self._lock:
+            self._advance_shutdowns(after)
+            self.publish_upstreams()
 
     def finished_shutting_down(self) -> bool:
         instances = self._observe_instances()
-        if instances is None:
+        if instances is None or instances.unknown_regions:
             return False
-        live = [i for i in instances.values() if i.status is not InstanceStatus.TERMINATED]
+        live = [i for i in instances if i.status is not InstanceStatus.TERMINATED]
         return not live and not self.store.list_replicas(self.service)
 
     def _update_service_status(self) -> None:
@@ -475,7 +592,11 @@ class Controller:
 
     def close(self) -> None:
         self._probe_pool.shutdown(wait=False, cancel_futures=True)
+        self._cloud_pool.shutdown(wait=False)
         self._http.close()
+
+
+PendingLaunch = tuple[ReplicaRow, LaunchRequest, str]  # (its PROVISIONING row, the request, the reason)
 
 
 def _scalar_qps(value) -> float | None:

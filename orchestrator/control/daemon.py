@@ -20,7 +20,9 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 from apscheduler.executors.pool import ThreadPoolExecutor as APThreadPool
@@ -35,12 +37,15 @@ from orchestrator.common.errors import UserError
 from orchestrator.lb.proxy import LoadBalancer
 from orchestrator.control.pricebook import PriceBook, refresh_prices
 from orchestrator.control.migration import Migrator
-from orchestrator.control.launch import ReplicaLauncher
+from orchestrator.control.boot import BootScripts
+from orchestrator.control.bootstrap import BootstrapTokens
+from orchestrator.control.launch import VM_PORTS, ReplicaLauncher
+from orchestrator.control.wheel import own_wheel
 from orchestrator.spec import ServiceSpec, spec_from_json
 from orchestrator.control.store import ServiceStatus, Store
 from policies.base import PlacementPolicy, UnknownPolicyError, load_policy
 from providers import registry
-from providers.base import Offers, Provider
+from providers.base import Offers, Provider, ProviderError, ServiceNetwork
 
 log = logging.getLogger("orchestrator.control.daemon")
 
@@ -51,6 +56,7 @@ PRICES_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_PRICES_S", "600"))
 # same job waits for it, and notices wait for the controller's lock it holds. (A cloud launch
 # inside a reconcile takes seconds; five skipped 2 s intervals are worth a line.)
 SLOW_PASS_S = 10.0
+PUBLIC_URL_ENV = "SPOT_ORCHESTRATOR_PUBLIC_URL"
 
 
 class _QuietSkips(logging.Filter):
@@ -88,8 +94,13 @@ class Daemon:
         provider_factory: Callable[[str], Provider] = registry.make,
         launcher: ReplicaLauncher | None = None,
         policy_factory: Callable[[str], PlacementPolicy] = load_policy,
+        public_url: str | None = None,
     ):
         self.store = store or Store()
+        # The URL replica VMs reach the daemon at; its own URL when unset (only the machines
+        # of this host can use that one).
+        self.public_url = (public_url or os.environ.get(PUBLIC_URL_ENV) or "").rstrip("/") or None
+        self.bootstrap = BootstrapTokens(self.store)
         self.launcher = launcher
         self.policy_factory = policy_factory
         self.host = host
@@ -103,6 +114,7 @@ class Daemon:
         self.book = PriceBook()  # live quotes of the real clouds in use (the local cloud prices itself)
         self._lock = threading.RLock()
         self.started_at = time.time()
+        self._reconcile_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="reconcile")
         self.scheduler = BackgroundScheduler(executors={"default": APThreadPool(8)}, job_defaults={"coalesce": True})
 
     # ---- services -----------------------------------------------------------------------
@@ -123,10 +135,37 @@ class Daemon:
             raise UserError("resources: replicas across several clouds need one provider each; not supported yet")
         return clouds[0]
 
+    def replica_url(self) -> str:
+        return self.public_url or self.url
+
+    def check_reachable(self, cloud: str) -> None:
+        """Raises UserError when the cloud's machines could not reach the daemon: VMs need a
+        URL that is not loopback, and a daemon bound to loopback has only that one."""
+        if self.provider(cloud).runtime().on_this_host or self.public_url:
+            return
+        host = urllib.parse.urlsplit(self.url).hostname or self.host
+        if host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", ""):
+            raise UserError(f"resources.cloud {cloud}: its machines cannot reach the daemon at {self.url or host} "
+                            f"(loopback); set {PUBLIC_URL_ENV} or run `spotctl daemon --public-url URL` with an "
+                            "address the VMs can reach")
+
+    def network_for(self, spec: ServiceSpec, cloud: str) -> ServiceNetwork:
+        """What the service's replicas must be reachable on, and from where: the daemon (its
+        replica URL's address) and, within the provider's rule, the service's own replicas."""
+        host = urllib.parse.urlsplit(self.replica_url()).hostname or self.host
+        try:
+            address = socket.gethostbyname(host)
+        except OSError as err:
+            raise UserError(f"the daemon's URL {self.replica_url()}: cannot resolve {host}: {err}") from None
+        regions = spec.regions() or sorted({loc.region for loc in self.provider(cloud).locations(None)})
+        return ServiceNetwork(spec.name, tuple(VM_PORTS.values()), (f"{address}/32",), tuple(regions))
+
     def apply_spec(self, spec: ServiceSpec) -> dict:
-        """Create or update a service; returns its summary. Idempotent."""
+        """Create or update a service; returns its summary. Idempotent. Raises UserError for a
+        spec the daemon cannot serve (unknown cloud or policy, unreachable daemon, network)."""
         with self._lock:
             cloud = self.spec_cloud(spec)
+            self.check_reachable(cloud)
             try:
                 self.policy_factory(spec.service.placement_policy)  # refuse before anything is stored
             except UnknownPolicyError as err:
@@ -136,6 +175,13 @@ class Daemon:
                 raise UserError(f"service {spec.name!r} is shutting down; wait for `spotctl down` to finish")
             port = (existing.lb_port if existing else None) or spec.service.ports or free_port(self.host)
             endpoint = f"http://{self.host}:{port}"
+            if not self.provider(cloud).runtime().on_this_host:
+                own_wheel()  # what its VMs will install: built now (once), not inside a reconcile
+                try:
+                    self.provider(cloud).prepare_network(self.network_for(spec, cloud))
+                except ProviderError as err:
+                    raise UserError(f"resources.cloud {cloud}: setting up the service's network failed: {err}") \
+                        from None
             self.store.create_or_update_service(spec.name, spec.to_json(), endpoint=endpoint, lb_port=port)
             if spec.name in self.controllers:  # an update: new spec, same fleet
                 self.controllers[spec.name].close()
@@ -157,7 +203,10 @@ class Daemon:
             name,
             self.store,
             self.provider(cloud),
-            self.launcher or ReplicaLauncher(daemon_url=self.url or None),
+            self.launcher or ReplicaLauncher(
+                daemon_url=self.replica_url() or None,
+                boot=BootScripts.for_daemon(self.replica_url(), self.bootstrap) if self.replica_url() else None,
+            ),
             offers=None if self.provider(cloud).cheap_offers else self._book_offers(spec, cloud),
             policy=self.policy_factory(spec.service.placement_policy),
             on_upstreams=lb.set_replicas,
@@ -169,14 +218,19 @@ class Daemon:
     def _book_offers(self, spec: ServiceSpec, cloud: str) -> Callable[[], Offers]:
         """A real cloud's quotes come from the price book the prices job keeps fresh (asking
         the cloud's price API on every 2 s reconcile would be slow and throttled)."""
-        acc = spec.accelerator
+        wanted = [(a.name, a.count) for alt in (spec.resources, *spec.resources.any_of) for a in alt.accelerators]
+        wanted = list(dict.fromkeys(wanted)) or [(None, None)]
+
+        def quotes() -> Offers:
+            return Offers(o for name, count in wanted for o in self.book.offers(name, count, clouds=[cloud]))
 
         def offers() -> Offers:
-            quotes = self.book.offers(acc.name if acc else None, acc.count if acc else None, clouds=[cloud])
-            if not quotes:  # no refresh yet: the provider itself, once, to seed the book
-                self.book.update(self.provider(cloud).offers())
-                quotes = self.book.offers(acc.name if acc else None, acc.count if acc else None, clouds=[cloud])
-            return quotes
+            found = quotes()
+            if not found:  # no refresh yet: the provider itself, once, to seed the book
+                for name, count in wanted:
+                    self.book.update(self.provider(cloud).offers(name, count))
+                found = quotes()
+            return found
 
         return offers
 
@@ -211,8 +265,21 @@ class Daemon:
             lb = self.lbs.pop(name, None)
             if lb is not None:
                 lb.stop()
+            self._remove_network(name)
+            self.store.delete_bootstrap_tokens(name)
             self.store.delete_service(name)
             self.store.record_event("service_deleted", service=name, message="all replicas terminated")
+
+    def _remove_network(self, name: str) -> None:
+        row = self.store.get_service(name)
+        if row is None:
+            return
+        try:
+            cloud = self.spec_cloud(spec_from_json(row.spec_json))
+            if not self.provider(cloud).runtime().on_this_host:
+                self.provider(cloud).remove_network(name)
+        except (ProviderError, UserError) as err:
+            log.warning("service %s: removing its network failed (remove it by hand): %s", name, err)
 
     # ---- jobs -------------------------------------------------------------------------
 
@@ -232,8 +299,10 @@ class Daemon:
             log.exception("reconcile of %s failed", name)
 
     def reconcile_all(self) -> None:
+        """Each service's pass in its own thread: one slow cloud launch holds up only its own
+        service (whose next pass is skipped while it runs), never the others."""
         for name in list(self.controllers):
-            self.reconcile_service(name)
+            self._reconcile_pool.submit(self.reconcile_service, name)
 
     def probe_all(self) -> None:
         for name, controller in list(self.controllers.items()):
@@ -258,6 +327,7 @@ class Daemon:
             lb.stop()
         for controller in self.controllers.values():
             controller.close()
+        self._reconcile_pool.shutdown(wait=False, cancel_futures=True)
         for provider in self.providers.values():
             provider.close()
 
@@ -313,13 +383,13 @@ class DaemonServer:
             discovery.daemon_info_path().unlink(missing_ok=True)
 
 
-def serve(host: str = "127.0.0.1", port: int = discovery.DEFAULT_PORT) -> None:
+def serve(host: str = "127.0.0.1", port: int = discovery.DEFAULT_PORT, public_url: str | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
     running = discovery.running_daemon_url()
     if running:
         raise UserError(f"a daemon is already running at {running}")
-    server = DaemonServer(Daemon(host=host), host, port)
+    server = DaemonServer(Daemon(host=host, public_url=public_url), host, port)
     signal.signal(signal.SIGTERM, lambda *_: setattr(server.server, "should_exit", True))
     server.run()
 
@@ -328,9 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spotctl daemon")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=discovery.DEFAULT_PORT)
+    parser.add_argument("--public-url", help=f"the URL replica VMs reach the daemon at (or ${PUBLIC_URL_ENV})")
     opts = parser.parse_args(argv)
     try:
-        serve(opts.host, opts.port)
+        serve(opts.host, opts.port, opts.public_url)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

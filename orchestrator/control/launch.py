@@ -1,8 +1,9 @@
-"""What a replica runs: the LaunchRequest (command, env, tags) for one replica of a service.
+"""What a replica runs: the LaunchRequest of one replica, from the offer the policy chose.
 
-On the local cloud the command runs as a process from the replica environment
-(`.venv-replica`); on real clouds providers put the same command in the machine's startup
-script (templates install the GPU build of vLLM there).
+The controller calls `ReplicaLauncher.request`. On machines of this host (the local cloud) the
+request carries the command line, run from the replica environment (`.venv-replica`); on a VM
+it carries the boot script (orchestrator.control.boot) that installs the replica runtime and
+starts the same program. Also here: the service's KV secret file and the demo model build.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from orchestrator.common import paths
 from orchestrator.common.errors import UserError
 from orchestrator.spec import ServiceSpec
 from orchestrator.control.store import ReplicaRow
-from providers.base import LaunchRequest, Location, MachineRuntime, Market
+from orchestrator.control.boot import VM_SECRET_FILE, BootScripts
+from providers.base import LaunchRequest, Location, MachineRuntime, Offer
 
 CONNECTOR_CLASS = "SpotKVConnector"
 CONNECTOR_MODULE = "orchestrator.replica.kv.connector"
@@ -71,17 +73,27 @@ def resolve_demo_model(size: str, replica_python: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-class ReplicaLauncher:
-    """Builds the LaunchRequest of one replica; the provider's MachineRuntime says how its
-    machines run the replica program, so nothing here branches on a cloud."""
+# A VM has an address of its own, so its replica listens on fixed ports there (the local
+# cloud's machines share this host and get free ports through placeholders instead).
+VM_ENGINE_PORT = 8000
+VM_AGENT_PORT = 8471
+VM_CONTROL_PORT = 8472
+VM_PORTS = {"port": VM_ENGINE_PORT, "agent_port": VM_AGENT_PORT, "control_port": VM_CONTROL_PORT}
 
-    def __init__(self, daemon_url: str | None = None):
+
+class ReplicaLauncher:
+    """Builds the LaunchRequest of one replica from the policy's offer. The provider's
+    MachineRuntime says how its machines run the replica program: a process of this host runs
+    `command`; a VM runs the boot script (`boot`), so nothing here branches on a cloud."""
+
+    def __init__(self, daemon_url: str | None = None, boot: BootScripts | None = None):
         self.daemon_url = daemon_url
+        self.boot = boot
 
     def model_path(self, spec: ServiceSpec, runtime: MachineRuntime) -> str:
-        if spec.engine.is_tiny:
+        if spec.engine.is_tiny and runtime.on_this_host:
             return resolve_demo_model("tiny", runtime.python)
-        return spec.engine.model
+        return spec.engine.model  # a VM builds the demo model itself (orchestrator.replica.main)
 
     def engine_args(self, spec: ServiceSpec, runtime: MachineRuntime, kv_config: dict | None) -> list[str]:
         on_cpu = runtime.on_cpu
@@ -100,18 +112,19 @@ class ReplicaLauncher:
             args += ["--kv-transfer-config", json.dumps(kv_config)]
         return args + list(spec.engine.args)
 
-    def kv_config(self, spec: ServiceSpec, row: ReplicaRow, location: Location) -> dict | None:
+    def kv_config(self, spec: ServiceSpec, row: ReplicaRow, location: Location, runtime: MachineRuntime) -> dict | None:
         if not spec.kv.enabled:
             return None
         extra = {
             "k": spec.kv.k,
             "m": spec.kv.m,
-            "secret_file": str(kv_secret_file(spec.name)),
+            # A VM's replica writes the secret it fetched at boot to this path (replica.main).
+            "secret_file": str(kv_secret_file(spec.name)) if runtime.on_this_host else VM_SECRET_FILE,
             "node_id": row.replica_id,
             "cloud": location.cloud,
             "region": location.region,
             "zone": location.zone,
-            "self_endpoint": "http://127.0.0.1:{agent_port}",
+            "self_endpoint": f"http://{_url_host(runtime.bind_host)}:{{agent_port}}",
             "control_port": "{control_port}",
         }
         if self.daemon_url:
@@ -125,32 +138,60 @@ class ReplicaLauncher:
             "kv_connector_extra_config": extra,
         }
 
-    def request(self, spec: ServiceSpec, row: ReplicaRow, location: Location, market: Market,
-                runtime: MachineRuntime) -> LaunchRequest:
-        kv = self.kv_config(spec, row, location)
-        command = [runtime.python, "-m", "orchestrator.replica.main"]
-        env = dict(REPLICA_ENV)
+    def replica_args(self, spec: ServiceSpec, runtime: MachineRuntime, kv: dict | None) -> list[str]:
+        """orchestrator.replica.main's own options (before `--` and the engine's)."""
+        args: list[str] = []
         if kv is not None:
-            secret = kv_secret_file(spec.name)
-            command += ["--agent-port", "{agent_port}", "--secret-file", str(secret)]
-            command += ["--store-max-bytes", str(spec.kv.store_max_bytes)]
-            if not runtime.shares_host_files:
-                # The machine cannot read the secret's file here: it travels in the startup
-                # script's environment.
-                env["SPOT_ORCHESTRATOR_KV_SECRET"] = secret.read_text().strip()
+            secret = kv_secret_file(spec.name) if runtime.on_this_host else VM_SECRET_FILE
+            args += ["--agent-port", "{agent_port}", "--secret-file", str(secret)]
+            args += ["--store-max-bytes", str(spec.kv.store_max_bytes)]
         if runtime.notice_watcher and self.daemon_url:
             # The agent watches the cloud's metadata for notices and reports them.
-            command += ["--watch", runtime.notice_watcher, "--api", self.daemon_url]
-        command += ["--", *self.engine_args(spec, runtime, kv)]
-        acc = spec.resources.accelerator
-        return LaunchRequest(
+            args += ["--watch", runtime.notice_watcher, "--api", self.daemon_url]
+        return args
+
+    def request(self, spec: ServiceSpec, row: ReplicaRow, offer: Offer, runtime: MachineRuntime) -> LaunchRequest:
+        """Raises UserError when the replica cannot be described (e.g. a VM launch without a
+        daemon URL the VM can reach)."""
+        kv = self.kv_config(spec, row, offer.location, runtime)
+        args, engine = self.replica_args(spec, runtime, kv), self.engine_args(spec, runtime, kv)
+        common = dict(
             service=spec.name,
             replica_id=row.replica_id,
-            location=location,
-            market=market,
-            instance_type=spec.resources.instance_type or "",
-            accelerator=acc.name if acc else None,
-            accelerator_count=acc.count if acc else 0,
-            command=command,
-            env=env,
+            location=offer.location,
+            market=offer.market,
+            instance_type=offer.instance_type,
+            accelerator=offer.accelerator,
+            accelerator_count=offer.accelerator_count,
+            price_per_hour=offer.price_per_hour,
         )
+        if runtime.on_this_host:
+            command = [runtime.python, "-m", "orchestrator.replica.main", *args, "--", *engine]
+            return LaunchRequest(**common, command=command, env=dict(REPLICA_ENV))
+        if self.boot is None or not self.daemon_url:
+            raise UserError(f"replica {row.replica_id}: a {offer.location.cloud} machine needs the daemon's URL "
+                            "to boot; run the daemon with a public URL")
+        args, engine = _fixed_ports(args), _fixed_ports(engine)
+        script = self.boot.render(spec, row, runtime, args, engine, env=dict(REPLICA_ENV))
+        return LaunchRequest(**common, boot_script=script, port=VM_ENGINE_PORT,
+                             ports=(VM_ENGINE_PORT, VM_AGENT_PORT, VM_CONTROL_PORT), image_id=_image_for(spec, offer))
+
+
+def _fixed_ports(args: list[str]) -> list[str]:
+    out = []
+    for arg in args:
+        for name, port in VM_PORTS.items():
+            arg = arg.replace("{" + name + "}", str(port))
+        out.append(arg)
+    return out
+
+
+def _url_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def _image_for(spec: ServiceSpec, offer: Offer) -> str | None:
+    image = spec.image_id
+    if isinstance(image, dict):  # SkyPilot's per-region form
+        return image.get(offer.location.region)
+    return image

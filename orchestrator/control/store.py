@@ -179,6 +179,19 @@ class LocationRow(SQLModel, table=True):
         return Location(self.cloud, self.region, self.zone)
 
 
+class BootstrapTokenRow(SQLModel, table=True):
+    """A VM's one-time boot credential (orchestrator.control.bootstrap): only its hash is kept."""
+
+    __tablename__ = "bootstrap_tokens"
+
+    token_hash: str = Field(primary_key=True)
+    service: str = Field(index=True)
+    replica_id: str = Field(index=True)
+    created_at: float = Field(default_factory=_now)
+    expires_at: float
+    redeemed_at: float | None = None
+
+
 # ---- operations ---------------------------------------------------------------------
 
 _SERVICE_FIELDS = frozenset({"spec_json", "status", "endpoint", "lb_port"})
@@ -341,6 +354,30 @@ class _Ops:
     def delete_replica(self, replica_id: str) -> bool:
         with self._scope() as s:
             return s.exec(delete(ReplicaRow).where(col(ReplicaRow.replica_id) == replica_id)).rowcount > 0
+
+    # ---- bootstrap tokens -------------------------------------------------------------
+
+    def add_bootstrap_token(self, token_hash: str, service: str, replica_id: str, expires_at: float) -> None:
+        with self._scope() as s:
+            s.add(BootstrapTokenRow(token_hash=token_hash, service=service, replica_id=replica_id,
+                                    expires_at=expires_at))
+
+    def get_bootstrap_token(self, token_hash: str) -> BootstrapTokenRow | None:
+        with self._scope() as s:
+            return s.get(BootstrapTokenRow, token_hash)
+
+    def redeem_bootstrap_token(self, token_hash: str) -> bool:
+        """Mark the token used; False when it already was (one use, even under a race)."""
+        with self._scope() as s:
+            result = s.exec(update(BootstrapTokenRow)
+                            .where(col(BootstrapTokenRow.token_hash) == token_hash,
+                                   col(BootstrapTokenRow.redeemed_at).is_(None))
+                            .values(redeemed_at=_now()))
+            return result.rowcount > 0
+
+    def delete_bootstrap_tokens(self, service: str) -> None:
+        with self._scope() as s:
+            s.exec(delete(BootstrapTokenRow).where(col(BootstrapTokenRow.service) == service))
 
     # ---- events -------------------------------------------------------------------
 

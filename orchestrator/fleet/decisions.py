@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
+from orchestrator.spec import ServiceSpec
 from orchestrator.fleet.lifecycle import ReplicaState, is_alive, phase_for_policy
 from policies.base import (
     Decision,
@@ -30,7 +31,7 @@ from policies.base import (
     ReplicaView,
     ServiceParams,
 )
-from providers.base import CapacityError, Location, Market, Offers, ProviderError
+from providers.base import CapacityError, Location, Market, Offer, Offers, ProviderError
 
 S = ReplicaState
 
@@ -155,6 +156,25 @@ class Plan:
 
     removals: list[Removal]
     launches: list[Launch]
+
+
+def fits(offer: Offer, spec: ServiceSpec) -> bool:
+    """Whether the offer's machine is one the spec accepts: its instance type, when it names
+    one, and one of its (accelerator, count) pairs, when it names any."""
+    if spec.resources.instance_type and offer.instance_type != spec.resources.instance_type:
+        return False
+    wanted = spec.accelerators_wanted()
+    return not wanted or any(offer.accelerator.lower() == name.lower() and offer.accelerator_count == count
+                             for name, count in wanted)
+
+
+def offer_for(launch: Launch, offers: Offers, spec: ServiceSpec) -> Offer | None:
+    """The offer a launch is carried out with: the cheapest one the spec accepts (of the
+    instance type the policy named, if it named one) in the launch's location and market;
+    None when there is no such offer."""
+    here = Offers(o for o in offers if o.location == launch.location and o.market is launch.market
+                  and fits(o, spec) and (not launch.instance_type or o.instance_type == launch.instance_type))
+    return here.cheapest()
 
 
 def plan(decision: Decision, state_of: Callable[[str], ReplicaState | None]) -> Plan:

@@ -41,7 +41,7 @@ class Duty(Protocol):
 
 @dataclass(frozen=True)
 class AgentOptions:
-    store_port: int
+    store_port: int | None  # None: no shard store (a service without the KV cache)
     secret: str
     host: str = "127.0.0.1"
     max_bytes: int = 1 << 30
@@ -53,7 +53,7 @@ class AgentOptions:
 
 def parse_args(argv: Sequence[str] | None = None) -> AgentOptions:
     parser = argparse.ArgumentParser(prog="python -m orchestrator.replica.agent", description=__doc__.split("\n")[0])
-    parser.add_argument("--store-port", type=int, required=True, help="shard store port (0: any free one)")
+    parser.add_argument("--store-port", type=int, help="shard store port (0: any free one; none: no store)")
     parser.add_argument("--secret-file", type=Path, required=True, help="file holding the service's KV secret")
     parser.add_argument("--max-bytes", type=int, default=1 << 30, help="memory bound of the store (bytes)")
     parser.add_argument("--ttl", type=float, default=3600.0, help="seconds a shard lives after its last use")
@@ -70,7 +70,9 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentOptions:
         parser.error(f"--secret-file {args.secret_file}: {err.strerror}")
     if not secret:
         parser.error(f"--secret-file {args.secret_file}: the file is empty")
-    if not 0 <= args.store_port <= 65535:
+    if args.store_port is None and not args.watch:
+        parser.error("nothing to do: give --store-port, --watch, or both")
+    if args.store_port is not None and not 0 <= args.store_port <= 65535:
         parser.error(f"--store-port must be 0..65535, got {args.store_port}")
     if args.max_bytes <= 0 or args.ttl <= 0:
         parser.error("--max-bytes and --ttl must be positive")
@@ -94,12 +96,14 @@ async def serve(options: AgentOptions, duties: Sequence[Duty] = (), stop: asynci
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    handler = StoreHandler(options.secret, max_bytes=options.max_bytes, ttl_s=options.ttl_s)
-    # A body can never be larger than what the store may hold (plus framing).
-    max_body = min(MAX_BODY, options.max_bytes + (1 << 20))
-    server = await start_server(handler, options.host, options.store_port, max_body, admit=handler.admit)
-    port = server.sockets[0].getsockname()[1]
-    log.info("agent: shard store listening on http://%s:%d", options.host, port)
+    server = None
+    if options.store_port is not None:
+        handler = StoreHandler(options.secret, max_bytes=options.max_bytes, ttl_s=options.ttl_s)
+        # A body can never be larger than what the store may hold (plus framing).
+        max_body = min(MAX_BODY, options.max_bytes + (1 << 20))
+        server = await start_server(handler, options.host, options.store_port, max_body, admit=handler.admit)
+        port = server.sockets[0].getsockname()[1]
+        log.info("agent: shard store listening on http://%s:%d", options.host, port)
     started: list[Duty] = []
     try:
         for duty in duties:
@@ -107,7 +111,8 @@ async def serve(options: AgentOptions, duties: Sequence[Duty] = (), stop: asynci
             started.append(duty)
         await stop.wait()
     finally:
-        server.close()
+        if server is not None:
+            server.close()
         for duty in started:
             duty.stop()
         log.info("agent: stopped")

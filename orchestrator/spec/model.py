@@ -23,7 +23,7 @@ LB_POLICIES = ("round_robin", "least_load", "instance_aware_least_load")  # SkyS
 DEFAULT_LB_POLICY = "least_load"
 SPOT_PLACERS = ("dynamic_fallback",)
 DEFAULT_PLACEMENT_POLICY = "default"  # policies.base.load_policy resolves it
-CPU_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32 (REFERENCE.md)
+CPU_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 TINY_MODEL = "tiny"  # the locally generated demo model (orchestrator.replica.demo_model)
 
 
@@ -158,11 +158,29 @@ class ServiceSpec:
         alts = [self.resources.accelerator, *(alt.accelerator for alt in self.resources.any_of)]
         return next((a for a in alts if a is not None), None)
 
+    def accelerators_wanted(self) -> list[tuple[str, int]]:
+        """Every (accelerator, count) the spec accepts (top level and any_of), in preference
+        order; [] = any machine."""
+        alts = [*self.resources.accelerators, *(a for alt in self.resources.any_of for a in alt.accelerators)]
+        return list(dict.fromkeys((a.name, a.count) for a in alts))
+
+    @property
+    def image_id(self) -> str | None:
+        """SkyPilot's `resources.image_id` (a string, or {region: image}); None: the cloud's default."""
+        return self.resources.extra.get("image_id")
+
     def _location_filters(self) -> list[tuple[str | None, str | None, str | None]]:
         """(cloud, region, zone) patterns, None = any; any_of entries inherit the top level."""
         top = self.resources
         alts = self.resources.any_of or (top,)
         return [(a.cloud or top.cloud, a.region or top.region, a.zone or top.zone) for a in alts]
+
+    def regions(self) -> list[str]:
+        """The regions the spec names, when every alternative names one; [] = not limited."""
+        filters = self._location_filters()
+        if any(region is None for _, region, _ in filters):
+            return []
+        return list(dict.fromkeys(region for _, region, _ in filters))
 
     def clouds(self) -> list[str]:
         """The clouds the spec names (top level and any_of), in preference order; [] = any."""

@@ -221,5 +221,11 @@ def _gcp_rows(records: list[dict[str, str]]) -> list[CatalogRow]:
     return rows
 
 
+def snapshot_offers(cloud: str, accelerator: str | None = None, count: int | None = None) -> list[Offer]:
+    """The cloud's offers from its price file (no network), marked with that source."""
+    return [dataclasses.replace(o, source="snapshot") for o in load_catalog(cloud).offers()
+            if gpu_matches((o.accelerator, o.accelerator_count), accelerator, count)]
+
+
 def load_all(clouds: tuple[str, ...] | list[str] = CLOUDS) -> dict[str, Catalog]:
     return {cloud: load_catalog(cloud) for cloud in clouds}

@@ -62,7 +62,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,7 @@ from orchestrator.common import paths, procs
 from providers.base import (
     CapacityError,
     Instance,
+    Instances,
     InstanceStatus,
     LaunchRequest,
     Location,
@@ -106,6 +107,7 @@ class LocalProvider(Provider):
 
     name = CLOUD
     cheap_offers = True
+    machines_on_this_host = True
 
     def __init__(
         self,
@@ -149,7 +151,7 @@ class LocalProvider(Provider):
         # The machines are processes of this host: the replica environment's interpreter,
         # loopback, vLLM's CPU build; notices come from this provider's own feed.
         return MachineRuntime(python=str(self.replica_python), bind_host="127.0.0.1", on_cpu=True,
-                              shares_host_files=True, notice_watcher=None)
+                              on_this_host=True, notice_watcher=None)
 
     def set_price(self, zone: str, market: Market, price: float) -> None:
         with self._registry.locked():
@@ -169,25 +171,15 @@ class LocalProvider(Provider):
     def capacity(self, zone: str, market: Market) -> int | None:
         return self._registry.read_json("capacity.json", {}).get(zone, {}).get(Market(market).value)
 
+    @classmethod
+    def snapshot_offers(cls, accelerator: str | None = None, count: int | None = None) -> builtins.list[Offer]:
+        # The zones as configured on disk: reading them starts nothing (no timers, no processes).
+        zones = zones_from_json(Records(default_root()).read_json("zones.json", zones_to_json(DEFAULT_ZONES)))
+        return [o for o in _zone_offers(zones, "CPU", 1, "local-cpu") if _matches(o, accelerator, count)]
+
     def offers(self, accelerator: str | None = None, count: int | None = None) -> builtins.list[Offer]:
-        if accelerator is not None and accelerator.lower() != self.accelerator.lower():
-            return []
-        if count is not None and count != self.accelerator_count:
-            return []
-        now = time.time()
-        return [
-            Offer(
-                location=Location(CLOUD, REGION, zone),
-                instance_type=self.instance_type,
-                accelerator=self.accelerator,
-                accelerator_count=self.accelerator_count,
-                market=market,
-                price_per_hour=getattr(prices, _price_field(market)),
-                observed_at=now,
-            )
-            for zone, prices in self.zones().items()
-            for market in (Market.SPOT, Market.ON_DEMAND)
-        ]
+        offers = _zone_offers(self.zones(), self.accelerator, self.accelerator_count, self.instance_type)
+        return [o for o in offers if _matches(o, accelerator, count)]
 
     def _check_zone(self, zone: str) -> dict[str, ZonePrices]:
         zones = self.zones()
@@ -311,7 +303,7 @@ class LocalProvider(Provider):
             record = self._registry.instance(instance_id)
             return self._observe(record) if record is not None else None
 
-    def list(self, tags: dict[str, str] | None = None) -> builtins.list[Instance]:
+    def list(self, tags: dict[str, str] | None = None, regions: Iterable[str] | None = None) -> Instances:
         self._enforce_deadlines()
         wanted = tags or {}
         now = time.time()
@@ -326,7 +318,7 @@ class LocalProvider(Provider):
                     continue
                 if all(record["tags"].get(k) == v for k, v in wanted.items()):
                     out.append(self._observe(record))
-        return out
+        return Instances(out)
 
     def log_path(self, instance_id: str) -> Path:
         record = self._registry.instance(instance_id)
@@ -485,6 +477,21 @@ class LocalProvider(Provider):
             timers, self._timers = builtins.list(self._timers.values()), {}
         for timer in timers:
             timer.cancel()
+
+
+def _zone_offers(zones: Mapping[str, ZonePrices], accelerator: str, count: int, instance_type: str) -> list[Offer]:
+    now = time.time()
+    return [
+        Offer(Location(CLOUD, REGION, zone), instance_type, accelerator, count, market,
+              getattr(prices, _price_field(market)), now, source="live")
+        for zone, prices in zones.items()
+        for market in (Market.SPOT, Market.ON_DEMAND)
+    ]
+
+
+def _matches(offer: Offer, accelerator: str | None, count: int | None) -> bool:
+    return (accelerator is None or accelerator.lower() == offer.accelerator.lower()) and (
+        count is None or count == offer.accelerator_count)
 
 
 def _pending_kill(record: dict[str, Any]) -> bool:

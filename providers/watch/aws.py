@@ -44,6 +44,16 @@ class AWSWatcher:
             reply = client.get(f"{self.base_url}/latest/meta-data/{path}", headers=self._headers(client))
         return reply
 
+    def identity(self, client: httpx.Client) -> tuple[str, str]:
+        """(instance id, private IPv4 address) of this machine."""
+        values = []
+        for path in ("instance-id", "local-ipv4"):
+            reply = self._get(client, path)
+            reply.raise_for_status()
+            values.append(reply.text.strip())
+        self.instance_id = values[0]
+        return values[0], values[1]
+
     def poll(self, client: httpx.Client) -> list[Keyed]:
         if self.instance_id is None:
             reply = self._get(client, "instance-id")

@@ -42,6 +42,17 @@ class AzureWatcher:
     def _url(self) -> str:
         return f"{self.base_url}/metadata/scheduledevents?{self.API}"
 
+    def identity(self, client: httpx.Client) -> tuple[str, str]:
+        """(the VM's name, which is the provider's instance id; its private IPv4 address)."""
+        values = []
+        for path in ("compute/name", "network/interface/0/ipv4/ipAddress/0/privateIpAddress"):
+            reply = client.get(f"{self.base_url}/metadata/instance/{path}?api-version=2021-02-01&format=text",
+                               headers=self.HEADERS)
+            reply.raise_for_status()
+            values.append(reply.text.strip())
+        self.instance_id = values[0]
+        return values[0], values[1]
+
     def poll(self, client: httpx.Client) -> list[Keyed]:
         if self.instance_id is None:
             reply = client.get(f"{self.base_url}/metadata/instance/compute/name?api-version=2021-02-01&format=text",

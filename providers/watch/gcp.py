@@ -33,6 +33,12 @@ class GCPWatcher:
         reply.raise_for_status()
         return reply.text.strip()
 
+    def identity(self, client: httpx.Client) -> tuple[str, str]:
+        """(instance id "ZONE/NAME", the first interface's internal address) of this machine."""
+        zone = self._get(client, "zone").rpartition("/")[2]
+        self.instance_id = f"{zone}/{self._get(client, 'name')}"
+        return self.instance_id, self._get(client, "network-interfaces/0/ip")
+
     def poll(self, client: httpx.Client) -> list[Keyed]:
         if self.instance_id is None:  # the provider's id: "ZONE/NAME"
             zone = self._get(client, "zone").rpartition("/")[2]

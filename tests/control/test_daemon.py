@@ -42,9 +42,10 @@ kv:
 
 
 class FakeEngineLauncher(ReplicaLauncher):
-    def request(self, spec, row, location, market, runtime) -> LaunchRequest:
+    def request(self, spec, row, offer, runtime) -> LaunchRequest:
         return LaunchRequest(
-            service=spec.name, replica_id=row.replica_id, location=location, market=market, instance_type="",
+            service=spec.name, replica_id=row.replica_id, location=offer.location, market=offer.market,
+            instance_type="",
             command=[sys.executable, str(FAKE_ENGINE), "--port", "{port}", "--name", spec.name],
         )
 

@@ -41,7 +41,9 @@ def aws_factory(moto_url, moto_image):
 
 def start(factory, monkeypatch, **kwargs):
     """A daemon on moto (no engine answers there, so probing is left at its own pace)."""
-    return running_daemon(monkeypatch, probe_interval_s=None, provider_factory=factory, **kwargs)
+    # The URL its VMs would reach it at (moto boots none; the boot scripts only name it).
+    return running_daemon(monkeypatch, probe_interval_s=None, provider_factory=factory,
+                          public_url="http://127.0.0.1:9", **kwargs)
 
 
 def managed(factory) -> list:

@@ -55,9 +55,10 @@ STREAMS, MAX_TOKENS, CUT_AT = 16, 250, 10  # ~7.5 s a stream: room for a slow `s
 
 
 class FakeUpstreamLauncher(ReplicaLauncher):
-    def request(self, spec, row, location, market, runtime) -> LaunchRequest:
+    def request(self, spec, row, offer, runtime) -> LaunchRequest:
         return LaunchRequest(
-            service=spec.name, replica_id=row.replica_id, location=location, market=market, instance_type="",
+            service=spec.name, replica_id=row.replica_id, location=offer.location, market=offer.market,
+            instance_type="",
             command=[sys.executable, str(FAKE), "--port", "{port}", "--name", row.replica_id,
                      "--token-delay", "0.03"],
         )

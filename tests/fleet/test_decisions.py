@@ -34,6 +34,7 @@ from providers.base import (
     TAG_SERVICE,
     CapacityError,
     Instance,
+    Instances,
     InstanceStatus,
     LaunchRequest,
     Location,
@@ -147,13 +148,13 @@ class TraceProvider(Provider):
     def get(self, instance_id: str) -> Instance | None:
         return self.instances.get(instance_id)
 
-    def list(self, tags=None) -> list[Instance]:
+    def list(self, tags=None, regions=None) -> list[Instance]:
         return [i for i in self.instances.values() if all(i.tags.get(k) == v for k, v in (tags or {}).items())]
 
 
 class Launcher(ReplicaLauncher):
-    def request(self, spec, row, location, market, runtime) -> LaunchRequest:
-        return LaunchRequest(service=spec.name, replica_id=row.replica_id, location=location, market=market,
+    def request(self, spec, row, offer, runtime) -> LaunchRequest:
+        return LaunchRequest(service=spec.name, replica_id=row.replica_id, location=offer.location, market=offer.market,
                              instance_type="v100_1")
 
 
@@ -171,7 +172,7 @@ class ControllerSide:
         stray = Offer(Location("aws", "us-west-2", "us-west-2a"), "v100_1", "v100_1", 1, Market.SPOT, 0.1, 0.0)
         self.ctl = Controller(
             spec.name, self.store, self.provider, Launcher(), policy=self.recorder,
-            offers=lambda: [*offers, stray], clock=lambda: self.now,
+            offers=lambda: [*offers, stray], clock=lambda: self.now, inline_cloud_calls=True,
         )
 
     def replica(self, n: int):
@@ -179,7 +180,7 @@ class ControllerSide:
 
     def decide(self, t: float) -> None:
         self.now = t
-        self.ctl._apply_policy(self.ctl.spec())
+        self.ctl.carry_out(self.ctl._apply_policy(self.ctl.spec()))
 
     def ready(self, n: int, t: float) -> None:
         self.now = t
@@ -198,7 +199,7 @@ class ControllerSide:
             tick = int(t // GAP)
             if inst.market is Market.SPOT and CAPACITY[inst.location][tick] == 0:
                 inst.status = InstanceStatus.TERMINATED
-        self.ctl._observe_deaths({i.instance_id: i for i in self.provider.list({TAG_SERVICE: "svc"})})
+        self.ctl._observe_deaths(Instances(self.provider.list({TAG_SERVICE: "svc"})))
 
 
 class SimSide:
