@@ -1,7 +1,8 @@
 """AWS through boto3: spot and on-demand GPU instances, spot prices, EventBridge notices.
 
-Offers: the latest `describe_spot_price_history` quote per AZ and type (on-demand prices come
-from the v8 catalog; AWS prices on-demand per region). Launches carry an idempotent ClientToken
+Offers: the latest `describe_spot_price_history` quote per AZ and type, and on-demand prices per
+region from the AWS Price List API (the SkyPilot catalog's when the Price List cannot be read;
+instance types and regions come from that catalog). Launches carry an idempotent ClientToken
 and are also de-duplicated by the replica tag, so a retried launch never makes a second VM.
 Interruption warnings and rebalance recommendations arrive through an optional SQS queue that
 an EventBridge rule feeds. botocore's own retries are off: `orchestrator.common.retry` is the one backoff.
@@ -21,7 +22,13 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError
 
-from providers.catalog.loader import Catalog, accelerator_for, gpu_instance_types, load_catalog, snapshot_offers
+from providers.catalog.loader import (
+    SOURCE_LIVE,
+    accelerator_for,
+    catalog_offers,
+    catalog_regions,
+    gpu_instance_types,
+)
 from providers.base import (
     TAG_MANAGED,
     TAG_REPLICA,
@@ -63,6 +70,10 @@ _TRANSIENT = {"RequestLimitExceeded", "Throttling", "ThrottlingException", "Serv
 _AUTH = {"AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId", "ExpiredToken",
          "SignatureDoesNotMatch", "OptInRequired", "UnrecognizedClientException", "AccessDenied"}
 _NOT_FOUND = {"InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"}
+# The Price List API answers in us-east-1 (also eu-central-1, ap-south-1) for every region.
+PRICING_REGION = "us-east-1"
+_PRICE_LIST_FILTERS = {"operatingSystem": "Linux", "tenancy": "Shared", "preInstalledSw": "NA",
+                       "capacitystatus": "Used", "licenseModel": "No License required", "marketoption": "OnDemand"}
 _HOW_TO_AUTH = "configure AWS credentials with `aws configure`, AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
 
 
@@ -106,16 +117,16 @@ class AWSProvider(Provider):
 
     @classmethod
     def snapshot_offers(cls, accelerator: str | None = None, count: int | None = None) -> list[Offer]:
-        return snapshot_offers("aws", accelerator, count)
+        return catalog_offers("aws", accelerator, count)
 
     def __init__(self, regions: list[str] | None = None, *, session: boto3.session.Session | None = None,
                  endpoint_url: str | None = None, clients: dict[str, object] | None = None,
                  image_id: str | None = None, sqs_queue_url: str | None = None, sqs_client=None,
-                 catalog: Catalog | None = None, subnet_ids: dict[str, str] | None = None,
+                 pricing_client=None, subnet_ids: dict[str, str] | None = None,
                  security_group_ids: list[str] | None = None, key_name: str | None = None,
                  attempts: int = 5, sleep: Callable[[float], None] = time.sleep):
-        self._catalog = catalog or load_catalog("aws")
-        self.regions = regions or sorted({row.region for row in self._catalog.rows})
+        self._regions = list(regions) if regions else None  # None: the catalog's GPU regions, on first use
+        self._pricing = pricing_client
         self._session = session or boto3.session.Session()
         self._endpoint_url = endpoint_url
         self._clients: dict[str, object] = dict(clients or {})
@@ -132,6 +143,12 @@ class AWSProvider(Provider):
         self._seen_events: set[str] = set()
         # botocore retries off (one backoff helper), and bounded timeouts (no hangs).
         self._config = Config(retries={"total_max_attempts": 1}, connect_timeout=5, read_timeout=30)
+
+    @property
+    def regions(self) -> list[str]:
+        if self._regions is None:
+            self._regions = catalog_regions("aws")
+        return self._regions
 
     # ---- plumbing ----------------------------------------------------------------------
 
@@ -150,13 +167,16 @@ class AWSProvider(Provider):
         types = gpu_instance_types("aws", accelerator, count)
         if not types:
             return []
-        for region in self.regions:  # boto3 makes clients thread-unsafely; use them from threads
+        regions = self.regions
+        for region in regions:  # boto3 makes clients thread-unsafely; use them from threads
             self._ec2(region)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(self.regions))) as pool:
-            per_region = list(pool.map(lambda region: self._region_offers(region, types), self.regions))
+        on_demand = self._on_demand_prices(types, set(regions), accelerator, count)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(regions))) as pool:
+            per_region = list(pool.map(lambda region: self._region_offers(region, types, on_demand), regions))
         return [offer for offers in per_region for offer in offers]
 
-    def _region_offers(self, region: str, types: list[str]) -> list[Offer]:
+    def _region_offers(self, region: str, types: list[str],
+                       on_demand: dict[tuple[str, str], tuple[float, float, str]]) -> list[Offer]:
         client = self._ec2(region)
 
         def fetch():
@@ -177,12 +197,50 @@ class AWSProvider(Provider):
             if gpu is None:
                 continue
             location = Location("aws", region, zone)
-            observed = _parse_time(item["Timestamp"])
-            out.append(Offer(location, itype, gpu[0], gpu[1], Market.SPOT, float(item["SpotPrice"]), observed))
-            on_demand = self._catalog.on_demand_price(itype, region)
-            if on_demand is not None:
-                out.append(Offer(location, itype, gpu[0], gpu[1], Market.ON_DEMAND, on_demand,
-                                 self._catalog.observed_at))
+            out.append(Offer(location, itype, gpu[0], gpu[1], Market.SPOT, float(item["SpotPrice"]),
+                             _parse_time(item["Timestamp"]), SOURCE_LIVE))
+            if (itype, region) in on_demand:
+                price, observed, source = on_demand[(itype, region)]
+                out.append(Offer(location, itype, gpu[0], gpu[1], Market.ON_DEMAND, price, observed, source))
+        return out
+
+    def _on_demand_prices(self, types: list[str], regions: set[str], accelerator: str | None,
+                          count: int | None) -> dict[tuple[str, str], tuple[float, float, str]]:
+        """(type, region) -> (price, observed_at, source): the Price List's Linux on-demand price, or
+        the catalog's where the Price List cannot be read (no pricing:GetProducts permission, ...)."""
+        prices = {(o.instance_type, o.location.region): (o.price_per_hour, o.observed_at, o.source)
+                  for o in catalog_offers("aws", accelerator, count) if o.market is Market.ON_DEMAND}
+        try:
+            live = self._price_list(types)
+        except ProviderError as err:
+            log.warning("aws price list: %s; on-demand prices from the catalog", err)
+            return prices
+        now = time.time()
+        prices.update({key: (price, now, SOURCE_LIVE) for key, price in live.items() if key[1] in regions})
+        return prices
+
+    def _price_list(self, types: list[str]) -> dict[tuple[str, str], float]:
+        if self._pricing is None:
+            self._pricing = self._session.client("pricing", region_name=PRICING_REGION,
+                                                 endpoint_url=self._endpoint_url, config=self._config)
+        client = self._pricing
+
+        def fetch(itype: str) -> dict[tuple[str, str], float]:
+            filters = [{"Type": "TERM_MATCH", "Field": k, "Value": v}
+                       for k, v in {"instanceType": itype, **_PRICE_LIST_FILTERS}.items()]
+            found = {}
+            pages = client.get_paginator("get_products").paginate(ServiceCode="AmazonEC2", Filters=filters,
+                                                                   FormatVersion="aws_v1")
+            for page in pages:
+                for text in page.get("PriceList", []):
+                    parsed = parse_price_list_product(text)
+                    if parsed is not None:
+                        found[(itype, parsed[0])] = parsed[1]
+            return found
+
+        out: dict[tuple[str, str], float] = {}
+        for itype in types:
+            out.update(self._call(lambda itype=itype: fetch(itype)))
         return out
 
     # ---- instances ---------------------------------------------------------------------
@@ -342,6 +400,19 @@ class AWSProvider(Provider):
             self._call(lambda m=message: sqs.delete_message(QueueUrl=self._sqs_queue_url,
                                                             ReceiptHandle=m["ReceiptHandle"]))
         return out
+
+
+def parse_price_list_product(text: str) -> tuple[str, float] | None:
+    """One Price List product (a JSON string) -> (regionCode, hourly on-demand USD); None if unusable."""
+    try:
+        product = json.loads(text)
+        region = product["product"]["attributes"]["regionCode"]
+        term = next(iter(product["terms"]["OnDemand"].values()))
+        dimension = next(iter(term["priceDimensions"].values()))
+        price = float(dimension["pricePerUnit"]["USD"])
+    except (ValueError, KeyError, TypeError, StopIteration, AttributeError):
+        return None
+    return (region, price) if price > 0 and dimension.get("unit", "Hrs") == "Hrs" else None
 
 
 def parse_event(body: str) -> Notice | None:

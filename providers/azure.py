@@ -29,7 +29,7 @@ from azure.core.exceptions import (
 from azure.mgmt.compute import ComputeManagementClient
 from azure.mgmt.compute import models as m
 
-from providers.catalog.loader import Catalog, accelerator_for, gpu_instance_types, load_catalog, snapshot_offers
+from providers.catalog.loader import SOURCE_LIVE, accelerator_for, catalog_offers, catalog_regions, gpu_instance_types
 from providers.base import (
     TAG_MANAGED,
     AuthError,
@@ -103,17 +103,16 @@ class AzureProvider(Provider):
 
     @classmethod
     def snapshot_offers(cls, accelerator: str | None = None, count: int | None = None) -> list[Offer]:
-        return snapshot_offers("azure", accelerator, count)
+        return catalog_offers("azure", accelerator, count)
 
     def __init__(self, subscription_id: str | None = None, resource_group: str = "spot-orchestrator",
                  regions: list[str] | None = None, *, credential=None, base_url: str | None = None,
                  compute_client=None, subnet_id: str | None = None, prices_url: str = RETAIL_PRICES_URL,
-                 http: requests.Session | None = None, catalog: Catalog | None = None,
+                 http: requests.Session | None = None,
                  image: dict[str, str] | None = None, admin_username: str = "azureuser",
                  ssh_public_key: str | None = None, eviction_policy: str = "Delete", launch_wait_s: float = 600.0,
                  attempts: int = 5, sleep: Callable[[float], None] = time.sleep):
-        self._catalog = catalog or load_catalog("azure")
-        self.regions = regions or sorted({row.region for row in self._catalog.rows})
+        self._regions = list(regions) if regions else None  # None: the catalog's GPU regions, on first use
         self._subscription_id = subscription_id or os.environ.get("AZURE_SUBSCRIPTION_ID")
         self.resource_group = resource_group
         self._credential = credential
@@ -131,6 +130,12 @@ class AzureProvider(Provider):
         self._sleep = sleep
         # azure-core refuses bearer tokens over plain http; a local fake endpoint is plain http.
         self._kw = {"enforce_https": False} if base_url and base_url.startswith("http://") else {}
+
+    @property
+    def regions(self) -> list[str]:
+        if self._regions is None:
+            self._regions = catalog_regions("azure")
+        return self._regions
 
     # ---- plumbing ----------------------------------------------------------------------
 
@@ -186,7 +191,7 @@ class AzureProvider(Provider):
             price = float(item.get("retailPrice") or 0)
             if price <= 0:
                 continue
-            out.append(Offer(Location("azure", region, region), itype, gpu[0], gpu[1], market, price, now))
+            out.append(Offer(Location("azure", region, region), itype, gpu[0], gpu[1], market, price, now, SOURCE_LIVE))
         return out
 
     # ---- instances ---------------------------------------------------------------------

@@ -49,7 +49,12 @@ class Location:
 
 @dataclasses.dataclass(frozen=True)
 class Offer:
-    """One price quote: an instance type in a location on one market."""
+    """One price quote: an instance type in a location on one market.
+
+    `observed_at` is when the price was taken (unix seconds) and `source` where it came from:
+    "live" (the cloud's price API), "catalog" (a SkyPilot catalog file), "snapshot" (the catalog
+    shipped with spot-orchestrator), or "" when the caller did not say.
+    """
 
     location: Location
     instance_type: str
@@ -58,7 +63,7 @@ class Offer:
     market: Market
     price_per_hour: float
     observed_at: float = dataclasses.field(default_factory=time.time)
-    source: str = ""  # where the price comes from: live, catalog, snapshot ("" = not said)
+    source: str = ""
 
     @property
     def price_per_accelerator_hour(self) -> float:

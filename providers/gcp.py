@@ -2,8 +2,10 @@
 
 Instance ids are "ZONE/NAME" (GCP addresses instances by zone and name). Labels must be
 lowercase [a-z0-9_-]: tags are sanitized on the way in and matched sanitized on the way out.
-Offers come from the v8 catalog (GCP's price list changes monthly, not minute by minute);
-with a Cloud Billing Catalog client the attachable GPUs' prices are refreshed live.
+Offers come from SkyPilot's catalog (host VM plus GPUs; GCP's list prices change monthly, not
+minute by minute). With a Cloud Billing Catalog client they are repriced live: a2/a3/g2 machines
+as vCPUs x core SKU + GiB x RAM SKU + GPUs x GPU SKU, n1 hosts with attached GPUs as the catalog's
+host price + GPUs x GPU SKU.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from google.api_core import exceptions as gexc
 from google.auth import exceptions as auth_exc
 from google.cloud import compute_v1
 
-from providers.catalog.loader import GCP_ATTACHABLE, Catalog, CatalogRow, gpu_matches, load_catalog, snapshot_offers
+from providers.catalog.loader import (
+    GCP_ATTACHABLE,
+    SOURCE_LIVE,
+    Machine,
+    catalog_offers,
+    host_price,
+    machines,
+)
 from providers.base import (
     TAG_MANAGED,
     AuthError,
@@ -52,6 +61,16 @@ BILLING_SERVICE = "services/6F81-5844-456A"  # Compute Engine in the Cloud Billi
 # Matched in the error text: HTTP errors and operation errors carry them differently.
 _CAPACITY = re.compile(r"ZONE_RESOURCE_POOL_EXHAUSTED|does not have enough resources available")
 _QUOTA = re.compile(r"QUOTA_EXCEEDED|quotaExceeded|Quota '[^']+' exceeded")
+# Billing SKU descriptions: "A2 Instance Core running in Americas", "Spot Preemptible A2 Instance
+# Ram running in ...", "Nvidia Tesla A100 GPU running in ...", "Nvidia L4 GPU attached to Spot
+# Preemptible VMs running in ...".
+_HOST_SKU = re.compile(r"^(?:Spot Preemptible )?([A-Z]\d) Instance (Core|Ram) running in ")
+_GPU_SKU = re.compile(r"^Nvidia (?:Tesla )?(.+?) GPU(?: attached to Spot Preemptible VMs)? running in ")
+_GPU_SKU_NAMES = {"A100": "A100", "A100 80GB": "A100-80GB", "H100 80GB": "H100", "L4": "L4", "T4": "T4",
+                  "V100": "V100", "P100": "P100", "P4": "P4"}
+# Not list prices: commitments, reservations, Dynamic Workload Scheduler (Flex, Calendar) and the like.
+_NOT_LIST_PRICE = re.compile(r"commit|reserv|sole tenancy|custom|premium|dws|flex|calendar|defined duration",
+                             re.IGNORECASE)
 _HOW_TO_AUTH = ("configure GCP credentials with `gcloud auth application-default login` "
                 "or GOOGLE_APPLICATION_CREDENTIALS")
 
@@ -92,6 +111,17 @@ def instance_name(request: LaunchRequest) -> str:
     return f"so-{core}"[:63].rstrip("-")
 
 
+def _sku_key(description: str) -> tuple[str, str] | None:
+    """("core"|"ram", family) or ("gpu", name) for a Billing SKU that prices GPU machines; else None."""
+    if _NOT_LIST_PRICE.search(description):
+        return None
+    if host := _HOST_SKU.match(description):
+        return host.group(2).lower(), host.group(1)
+    if (gpu := _GPU_SKU.match(description)) and gpu.group(1) in _GPU_SKU_NAMES:
+        return "gpu", _GPU_SKU_NAMES[gpu.group(1)]
+    return None
+
+
 def _parse_time(text: str) -> float:
     return dt.datetime.fromisoformat(text).timestamp() if text else 0.0
 
@@ -101,11 +131,11 @@ class GCPProvider(Provider):
 
     @classmethod
     def snapshot_offers(cls, accelerator: str | None = None, count: int | None = None) -> list[Offer]:
-        return snapshot_offers("gcp", accelerator, count)
+        return catalog_offers("gcp", accelerator, count)
 
     def __init__(self, project: str | None = None, zones: list[str] | None = None, *, credentials=None,
                  host: str | None = None, url_scheme: str = "https", instances_client=None,
-                 operations_client=None, billing_client=None, catalog: Catalog | None = None,
+                 operations_client=None, billing_client=None,
                  image: str = DEFAULT_IMAGE, network: str = "global/networks/default", disk_size_gb: int = 200,
                  attempts: int = 5, sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.time):
@@ -116,7 +146,6 @@ class GCPProvider(Provider):
         self._instances = instances_client
         self._operations = operations_client
         self._billing = billing_client
-        self._catalog = catalog or load_catalog("gcp")
         self.zones = zones
         self._image = image
         self._network = network
@@ -175,50 +204,60 @@ class GCPProvider(Provider):
     # ---- prices ------------------------------------------------------------------------
 
     def offers(self, accelerator: str | None = None, count: int | None = None) -> list[Offer]:
-        rows = [r for r in self._catalog.rows if gpu_matches((r.accelerator, r.accelerator_count), accelerator, count)
-                and (self.zones is None or r.zone in self.zones)]
-        live = self._billing_gpu_prices() if self._billing is not None else {}
+        offers = [o for o in catalog_offers("gcp", accelerator, count)
+                  if self.zones is None or o.location.zone in self.zones]
+        skus = self._billing_prices() if self._billing is not None else {}
+        if not skus:
+            return offers
+        shapes = {(m.instance_type, m.region): m for m in machines("gcp", accelerator, count)}
+        now = self._clock()
         out = []
-        for row in rows:
-            priced = self._reprice(row, live) if live else None
-            out.extend((priced or row).offers(self._clock() if priced else self._catalog.observed_at))
+        for offer in offers:
+            price = self._live_price(shapes[(offer.instance_type, offer.location.region)], offer, skus)
+            out.append(dataclasses.replace(offer, price_per_hour=price, observed_at=now, source=SOURCE_LIVE)
+                       if price is not None else offer)
         return out
 
-    def _reprice(self, row: CatalogRow, live: dict[tuple[str, str, Market], float]) -> CatalogRow | None:
-        """An attachable-GPU row with its GPU part at the live Billing Catalog price."""
-        od = live.get((row.accelerator, row.region, Market.ON_DEMAND))
-        spot = live.get((row.accelerator, row.region, Market.SPOT))
-        if row.host_price is None or od is None or spot is None:
+    @staticmethod
+    def _live_price(machine: Machine, offer: Offer, skus: dict[tuple[str, str, str, Market], float]) -> float | None:
+        """The machine's hourly price from Billing SKUs; None when a SKU it needs is missing."""
+        region, market = offer.location.region, offer.market
+        gpu = skus.get(("gpu", machine.accelerator, region, market))
+        if gpu is None:
             return None
-        n = row.accelerator_count
-        return dataclasses.replace(row, price=round(row.host_price + od * n, 6),
-                                   spot_price=round((row.host_spot_price or 0.0) + spot * n, 6))
+        if machine.host.startswith("n1-"):  # attached GPUs: the n1 host keeps the catalog's price
+            host = host_price("gcp", machine.host, region, offer.location.zone, market)
+        else:
+            family = machine.host.split("-", 1)[0].upper()  # a2-highgpu-1g -> A2
+            core, ram = skus.get(("core", family, region, market)), skus.get(("ram", family, region, market))
+            if core is None or ram is None or not machine.vcpus or not machine.memory_gib:
+                return None
+            host = machine.vcpus * core + machine.memory_gib * ram
+        return None if host is None else round(host + machine.count * gpu, 6)
 
-    def _billing_gpu_prices(self) -> dict[tuple[str, str, Market], float]:
-        """Per-GPU hourly prices by (gpu, region, market) from the Cloud Billing Catalog."""
-        names = {gpu: re.compile(rf"\bNvidia Tesla {gpu}\b|\bNvidia {gpu}\b", re.IGNORECASE) for gpu in GCP_ATTACHABLE}
+    def _billing_prices(self) -> dict[tuple[str, str, str, Market], float]:
+        """Hourly list prices by (kind, name, region, market) from the Cloud Billing Catalog: kind
+        "core"/"ram" with a machine family (A2, A3, G2) or "gpu" with a catalog GPU name."""
 
         def fetch():
             prices = {}
             for sku in self._billing.list_skus(parent=BILLING_SERVICE):
-                usage = sku.category.usage_type
-                market = {"OnDemand": Market.ON_DEMAND, "Preemptible": Market.SPOT}.get(usage)
-                gpu = next((g for g, rx in names.items() if rx.search(sku.description)), None)
-                if market is None or gpu is None or "commitment" in sku.description.lower() or not sku.pricing_info:
+                market = {"OnDemand": Market.ON_DEMAND, "Preemptible": Market.SPOT}.get(sku.category.usage_type)
+                key = _sku_key(sku.description)
+                if market is None or key is None or not sku.pricing_info:
                     continue
                 rates = sku.pricing_info[0].pricing_expression.tiered_rates
                 if not rates:
                     continue
                 unit = rates[-1].unit_price
-                price = unit.units + unit.nanos / 1e9
                 for region in sku.service_regions:
-                    prices[(gpu, region, market)] = price
+                    prices[(*key, region, market)] = unit.units + unit.nanos / 1e9
             return prices
 
         try:
             return self._call(fetch)
         except ProviderError as err:  # live prices are a bonus: the catalog still answers
-            log.warning("gcp billing catalog: %s; using the price snapshot", err)
+            log.warning("gcp billing catalog: %s; using the catalog's prices", err)
             return {}
 
     # ---- instances ---------------------------------------------------------------------

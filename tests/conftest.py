@@ -40,6 +40,16 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+@pytest.fixture(scope="session", autouse=True)
+def sky_catalog_dir(tmp_path_factory) -> Path:
+    """SkyPilot's catalogs for this test run live in a temporary folder (seeded from the shipped
+    snapshot), never in the user's ~/.sky or state home; subprocesses inherit it."""
+    path = tmp_path_factory.mktemp("sky")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPOT_ORCHESTRATOR_SKY_DIR", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def replica_runtime() -> Path:
     """The replica runtime's python (vLLM CPU build); skips the test when unavailable."""

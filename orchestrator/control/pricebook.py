@@ -4,7 +4,9 @@ Policies ask it "the k cheapest locations for A100:1" many times per decision, s
 bucketed by (accelerator, count, market) and each bucket keeps a lazily re-sorted list: a query
 walks the cheapest entries only. The daemon's price job calls `refresh_prices`; history goes
 to the state store's PriceQuote table (only quotes whose price changed, so the table grows with
-the market's movements, not with the refresh rate).
+the market's movements, not with the refresh rate). Every quote says where its price came from
+(Offer.source: live, catalog, snapshot) and when it was taken; `provenance()` gives both with the
+age, for `spotctl prices` and a dry run to print.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from providers.catalog.loader import CLOUDS, accelerator_for, gpu_instance_types, load_catalog
+from providers.catalog.loader import CLOUDS, accelerator_for, catalog_offers, gpu_instance_types
 from orchestrator.common.retry import backoff_delays
 from providers.base import Location, Market, Offer, Offers, Provider, ProviderError, TransientError
 
@@ -26,6 +28,7 @@ __all__ = [
     "accelerator_for",
     "gpu_instance_types",
     "load_history",
+    "provenance",
     "record_history",
     "refresh_prices",
     "snapshot_offers",
@@ -120,6 +123,10 @@ class PriceBook:
     def age(self, offer: Offer, now: float | None = None) -> float:
         return max(0.0, (self._clock() if now is None else now) - offer.observed_at)
 
+    def provenance(self, offer: Offer, now: float | None = None) -> dict:
+        """Where a quote's price came from, when it was taken and how old it is."""
+        return provenance(offer, self._clock() if now is None else now)
+
     def is_stale(self, offer: Offer, now: float | None = None) -> bool:
         return self.age(offer, now) > self.stale_after_s
 
@@ -187,13 +194,20 @@ class PriceBook:
 
 
 def snapshot_offers(clouds: Iterable[str] = CLOUDS) -> tuple[list[Offer], list[str]]:
-    """Offers from the v8 catalogs (fresh ~/.sky copy, else shipped); also the files read."""
+    """Offers from SkyPilot's catalogs (seeded from the shipped snapshot); also each cloud's source."""
     offers, sources = [], []
     for cloud in clouds:
-        catalog = load_catalog(cloud)
-        offers.extend(catalog.offers())
-        sources.append(catalog.source)
+        found = catalog_offers(cloud)
+        offers.extend(found)
+        sources.append(f"{cloud}:{found[0].source if found else 'empty'}")
     return offers, sources
+
+
+def provenance(offer: Offer, now: float | None = None) -> dict:
+    """{"source", "observed_at", "age_s"} of one quote (source "unknown" when the offer has none)."""
+    now = time.time() if now is None else now
+    return {"source": offer.source or "unknown", "observed_at": offer.observed_at,
+            "age_s": round(max(0.0, now - offer.observed_at), 1)}
 
 
 # ---- the daemon's price job ---------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Price book: refresh >= 50,000 offers and answer "cheapest k locations for A100:1"; one JSON line.
 
-The book holds every region and GPU type of the three snapshot catalogs. The shipped snapshot
-has far fewer than 50,000 offers, so per-zone quotes are synthesized from it (each row is
+The book holds every zone and GPU type of the three clouds' SkyPilot catalogs (seeded from the
+shipped snapshot). They have far fewer than 50,000 offers, so per-zone quotes are synthesized from them (each row is
 copied into extra zones of its region with a deterministic +-25% price jitter); the output
 says so (`synthesized`, `base_offers`). query_p50_ms is the policy's hot query between
 refreshes; first_query_after_refresh_ms includes the lazy re-sort a refresh causes. The

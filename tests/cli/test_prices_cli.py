@@ -1,5 +1,6 @@
-"""`spotctl prices` as a user runs it: a subprocess with HOME in tmp_path and no credentials,
-so it is offline, fast, and must fall back to the shipped snapshot in one line."""
+"""`spotctl prices` as a user runs it: a subprocess with HOME in tmp_path and no credentials, so it
+is offline and must fall back to SkyPilot's catalog (seeded from the shipped snapshot) in one line;
+`--refresh` fetches catalogs from a local HTTP mirror."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import time
 import pytest
 
 from orchestrator.common.paths import REPO_ROOT
+from providers.catalog import loader
+from tests.fakes.clouds import serve
 
 CLOUD_ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_", "CLOUDSDK_", "GCE_", "ARM_")
 
 
 @pytest.fixture
 def env(tmp_path):
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(CLOUD_ENV_PREFIXES)}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(CLOUD_ENV_PREFIXES)
+             and k not in (loader.SKY_DIR_ENV, loader.CATALOG_URL_ENV)}  # sky's catalogs: under the state home
     clean.update(HOME=str(tmp_path), SPOT_ORCHESTRATOR_HOME=str(tmp_path / "state"),
                  AWS_EC2_METADATA_DISABLED="true", NO_GCE_CHECK="true", COLUMNS="200")
     return clean
@@ -33,6 +37,7 @@ def test_offline_table_is_non_empty_and_says_why_in_one_line(env):
     result = spotctl(env)
     assert result.returncode == 0, result.stderr
     assert "spot $/h" in result.stdout and "on-demand $/h" in result.stdout and "more rows" in result.stdout
+    assert "source" in result.stdout and "snapshot" in result.stdout
     assert sum(line.startswith("│") for line in result.stdout.splitlines()) == 40  # the default --limit
     assert result.stderr.count("\n") == 1 and "no credentials for aws, gcp, azure" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
@@ -44,13 +49,25 @@ def test_json_rows_are_gpu_offers_with_spot_below_on_demand_cheapest_first(env):
     rows = json.loads(result.stdout)
     assert len(rows) > 100
     keys = {"cloud", "region", "zone", "instance_type", "accelerator", "accelerator_count", "spot_price",
-            "on_demand_price", "observed_at"}
+            "on_demand_price", "observed_at", "source", "age_s", "spot", "on_demand"}
     assert all(keys <= set(row) for row in rows)
     assert {row["cloud"] for row in rows} == {"aws", "gcp", "azure"}
     assert all(row["accelerator_count"] >= 1 and row["accelerator"] for row in rows)
-    assert all(row["spot_price"] < row["on_demand_price"] for row in rows)
-    best = [row["spot_price"] for row in rows]
+    assert all(row["source"] == "snapshot" and row["observed_at"] == loader.SHIPPED_SNAPSHOT_AT for row in rows)
+    priced = [row for row in rows if row["spot_price"] is not None]
+    assert len(priced) > 0.9 * len(rows) and all(row["spot_price"] < row["on_demand_price"] for row in priced)
+    best = [row["spot_price"] for row in priced]
     assert best == sorted(best)
+
+
+def test_gcp_a100_on_demand_is_the_list_price(env):
+    """GCP lists a2-highgpu-1g in us-central1 at about $3.67/h (host + A100), not the host's $0.74."""
+    rows = json.loads(spotctl(env, "--gpu", "A100", "--json").stdout)
+    a2 = [r for r in rows if (r["cloud"], r["region"], r["instance_type"]) == ("gcp", "us-central1", "a2-highgpu-1g")]
+    assert {r["zone"] for r in a2} == {"us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f"}
+    assert all(r["on_demand_price"] == pytest.approx(3.67, rel=0.05) for r in a2)
+    aws = next(r for r in rows if (r["cloud"], r["region"], r["instance_type"]) == ("aws", "us-east-1", "p4d.24xlarge"))
+    assert aws["on_demand_price"] / 8 < a2[0]["on_demand_price"]  # per GPU, as the clouds price them today
 
 
 def test_filters(env):
@@ -76,20 +93,28 @@ def test_bad_input_is_one_line_exit_2(env, args, message):
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
 
 
-def test_fresh_sky_catalog_is_preferred(env, tmp_path):
-    sky = tmp_path / ".sky" / "catalogs" / "v8" / "aws"
-    sky.mkdir(parents=True)
-    (sky / "vms.csv").write_text(
-        "InstanceType,AcceleratorName,AcceleratorCount,vCPUs,MemoryGiB,GpuInfo,Price,SpotPrice,Region,AvailabilityZone,Arch\n"
-        "g5.xlarge,A10G,1.0,4.0,16.0,A10G,1.006,0.1234,us-east-1,use1-az9,x86_64\n"
-        "m5.large,,,2.0,8.0,,0.096,0.04,us-east-1,use1-az1,x86_64\n")
-    rows = json.loads(spotctl(env, "--cloud", "aws", "--json").stdout)
-    assert [(r["instance_type"], r["zone"], r["spot_price"]) for r in rows] == [("g5.xlarge", "use1-az9", 0.1234)]
-    assert rows[0]["observed_at"] == pytest.approx(time.time(), abs=600)
-    old = time.time() - 30 * 86400  # a month-old SkyPilot catalog loses to the shipped snapshot
-    os.utime(sky / "vms.csv", (old, old))
-    rows = json.loads(spotctl(env, "--cloud", "aws", "--json").stdout)
-    assert len(rows) > 10 and "use1-az9" not in {r["zone"] for r in rows}
+def test_refresh_fetches_catalogs_and_says_what_failed(env):
+    fresh = ("InstanceType,AcceleratorName,AcceleratorCount,vCPUs,MemoryGiB,GpuInfo,Price,SpotPrice,Region,"
+             "AvailabilityZone,Arch\n"
+             "g5.xlarge,A10G,1.0,4.0,16.0,\"{'Gpus': [{'MemoryInfo': {'SizeInMiB': 24576}}]}\",1.006,0.1234,us-east-1,"
+             "use1-az9,x86_64\nm5.large,,,2.0,8.0,,0.096,0.04,us-east-1,use1-az1,x86_64\n")
+
+    def mirror(req):
+        return (200, fresh) if req.path == "/v8/aws/vms.csv" else (404, "no such catalog")
+
+    with serve(mirror) as server:
+        env[loader.CATALOG_URL_ENV] = server.url
+        result = spotctl(env, "--refresh", "--cloud", "aws,gcp", "--json")
+    assert result.returncode == 0, result.stderr
+    assert "gcp: catalog not refreshed (HTTP 404" in result.stderr and "Traceback" not in result.stderr
+    rows = json.loads(result.stdout)
+    aws = [r for r in rows if r["cloud"] == "aws"]
+    assert [(r["instance_type"], r["zone"], r["spot_price"], r["source"]) for r in aws] == [
+        ("g5.xlarge", "use1-az9", 0.1234, "catalog")]
+    assert aws[0]["observed_at"] == pytest.approx(time.time(), abs=600)
+    assert {r["source"] for r in rows if r["cloud"] == "gcp"} == {"snapshot"}  # kept after the failed refresh
+    again = json.loads(spotctl(env, "--cloud", "aws", "--json").stdout)  # the refreshed file stays
+    assert [r["source"] for r in again] == ["catalog"]
 
 
 def test_history_shows_stored_quotes(env, tmp_path, monkeypatch):

@@ -1,8 +1,8 @@
-"""The price book, the GPU catalog, the v8 loader and the daemon's refresh job (real SQLite)."""
+"""The price book, SkyPilot's catalog as we seed and refresh it (and the list prices it must
+give), and the daemon's refresh job (real SQLite)."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -15,6 +15,8 @@ from providers.azure import AzureProvider
 from providers.base import Location, Market, Offer
 from providers.gcp import GCPProvider
 from tests.fakes.clouds import serve
+
+ON_DEMAND, SPOT = Market.ON_DEMAND, Market.SPOT
 
 A = Location("gcp", "us-central1", "us-central1-a")
 B = Location("gcp", "us-central1", "us-central1-b")
@@ -103,36 +105,91 @@ def test_gpu_catalog(cloud, itype, gpu):
     assert catalog.accelerator_for(cloud, itype) == gpu
 
 
-def test_v8_loader_keeps_gpu_rows_of_real_skypilot_files(tmp_path):
-    gcp = tmp_path / "gcp.csv"
-    gcp.write_text(
-        "InstanceType,vCPUs,MemoryGiB,AcceleratorName,AcceleratorCount,GpuInfo,Region,AvailabilityZone,Price,SpotPrice\n"
-        "a2-highgpu-1g,12.0,85.0,,,,us-central1,us-central1-a,0.73948,0.36975\n"
-        "n1-standard-8,8.0,30.0,,,,us-central1,us-central1-a,0.379998,0.07346\n"
-        ",,,T4,1,T4,us-central1,us-central1-a,0.35,0.14\n"
-        ",,,tpu-v6e-1,1,tpu-v6e-1,us-central1,us-central1-a,2.7,0.54421\n"
-        "n2-standard-2,2.0,8.0,,,,us-central1,us-central1-a,0.097,0.02\n")
-    rows = {r.instance_type: r for r in catalog.load_catalog("gcp", gcp).rows}
-    assert set(rows) == {"a2-highgpu-1g", "n1-standard-8+T4x1"}
-    assert rows["n1-standard-8+T4x1"].price == pytest.approx(0.729998)
-    assert rows["a2-highgpu-1g"].accelerator == "A100"
-    azure = tmp_path / "azure.csv"
-    azure.write_text("InstanceType,AcceleratorName,AcceleratorCount,vCPUs,MemoryGiB,GpuInfo,Price,SpotPrice,Region,"
-                     "Generation\nStandard_NC4as_T4_v3,T4,1,4,28,T4,0.526,,eastus,V2\n")
-    (row,) = catalog.load_catalog("azure", azure).rows
-    assert row.zone == "eastus" and row.spot_price is None
-    assert [o.market for o in row.offers(0.0)] == [Market.ON_DEMAND]
+# Public on-demand list prices (USD/h, Linux): GCP's VM pricing page (a2-highgpu-1g 3.67, g2-standard-4
+# 0.71), AWS's EC2 on-demand page after the June 2025 P4/P5 cut (p4d.24xlarge 21.96, was 32.77;
+# p3.2xlarge 3.06), Azure's Linux VM pricing (NC24ads A100 v4 3.67, NC4as T4 v3 0.526).
+LIST_PRICES = [
+    ("gcp", "us-central1", "a2-highgpu-1g", 3.67),
+    ("gcp", "us-central1", "g2-standard-4", 0.707),
+    ("aws", "us-east-1", "p4d.24xlarge", 21.96),
+    ("aws", "us-east-1", "p3.2xlarge", 3.06),
+    ("azure", "eastus", "Standard_NC24ads_A100_v4", 3.67),
+    ("azure", "eastus", "Standard_NC4as_T4_v3", 0.526),
+]
 
 
-def test_catalog_path_prefers_a_fresh_sky_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path))
-    assert catalog.catalog_path("aws") == catalog.SHIPPED_DIR / "aws" / "vms.csv"
-    sky = tmp_path / ".sky" / "catalogs" / "v8" / "aws" / "vms.csv"
-    sky.parent.mkdir(parents=True)
-    sky.write_text("x")
-    assert catalog.catalog_path("aws") == sky
-    os.utime(sky, (time.time() - 30 * 86400,) * 2)
-    assert catalog.catalog_path("aws") == catalog.SHIPPED_DIR / "aws" / "vms.csv"
+@pytest.mark.parametrize(("cloud", "region", "itype", "list_price"), LIST_PRICES)
+def test_snapshot_on_demand_prices_are_public_list_prices(cloud, region, itype, list_price):
+    quotes = {o.price_per_hour for o in catalog.catalog_offers(cloud)
+              if o.location.region == region and o.instance_type == itype and o.market is ON_DEMAND}
+    assert len(quotes) == 1, quotes  # one on-demand price per region, in every zone
+    assert quotes.pop() == pytest.approx(list_price, rel=0.05)
+
+
+def test_gcp_offers_are_the_host_row_plus_the_gpu_row():
+    host = catalog.host_price("gcp", "a2-highgpu-1g", "us-central1", "us-central1-a", ON_DEMAND)
+    offer = next(o for o in catalog.catalog_offers("gcp", "A100", 1) if o.location == A and o.market is ON_DEMAND
+                 and o.instance_type == "a2-highgpu-1g")
+    assert host == pytest.approx(0.73948)  # the host row alone is a fifth of the machine
+    assert offer.price_per_hour == pytest.approx(host + 2.93391) and offer.source == catalog.SOURCE_SNAPSHOT
+    attached = {o.instance_type for o in catalog.catalog_offers("gcp", "T4")}
+    assert attached and all(catalog.parse_attached(t) for t in attached)  # n1 hosts with the GPUs attached
+
+
+@pytest.mark.parametrize("cloud", catalog.CLOUDS)
+def test_every_catalog_offer_has_spot_below_on_demand(cloud):
+    offers = catalog.catalog_offers(cloud)
+    od = {(o.location, o.instance_type): o.price_per_hour for o in offers if o.market is ON_DEMAND}
+    spot = [o for o in offers if o.market is SPOT]
+    assert len(spot) > 0.8 * len(od)
+    assert all(o.price_per_hour < od[(o.location, o.instance_type)] for o in spot)
+    assert all(o.observed_at == catalog.SHIPPED_SNAPSHOT_AT for o in offers)
+
+
+def test_seed_fills_only_missing_files_and_leaves_sky_no_md5(tmp_path):
+    assert catalog.seed(tmp_path) == list(catalog.CLOUDS)
+    assert (tmp_path / "gcp" / "vms.csv").read_bytes() == (catalog.SHIPPED_DIR / "gcp" / "vms.csv").read_bytes()
+    assert not (tmp_path / ".meta").exists()  # no md5: sky never pulls over these files by itself
+    assert catalog.provenance("gcp", tmp_path).source == catalog.SOURCE_SNAPSHOT
+    (tmp_path / "aws" / "vms.csv").write_text("InstanceType,Price\n")  # a file put there by hand
+    (tmp_path / catalog._PROVENANCE).unlink()
+    assert catalog.seed(tmp_path) == []
+    assert (tmp_path / "aws" / "vms.csv").read_text() == "InstanceType,Price\n"
+    assert catalog.provenance("aws", tmp_path).source == catalog.SOURCE_CATALOG
+
+
+def test_refresh_replaces_files_atomically_and_keeps_them_on_failure(tmp_path, monkeypatch):
+    fresh = ("InstanceType,AcceleratorName,AcceleratorCount,Price,SpotPrice,Region\n"
+             "g5.xlarge,A10G,1,1.006,0.4,us-east-1\n")
+
+    def route(req):
+        if req.path == "/v8/aws/vms.csv":
+            return 200, fresh
+        if req.path == "/v8/azure/vms.csv":
+            return 200, "<html>rate limited</html>"
+        if req.path == "/v8/gcp/vms.csv":
+            time.sleep(1.5)  # longer than the refresh's timeout
+        return 404, "not found"
+
+    catalog.seed(tmp_path)
+    with serve(route) as server:
+        monkeypatch.setenv(catalog.CATALOG_URL_ENV, server.url)
+        results = catalog.refresh(root=tmp_path, timeout_s=0.3, now=1_800_000_000.0)
+    assert results["aws"] is None and (tmp_path / "aws" / "vms.csv").read_text() == fresh
+    assert catalog.provenance("aws", tmp_path) == catalog.Provenance(
+        catalog.SOURCE_CATALOG, 1_800_000_000.0, f"{server.url}/v8/aws/vms.csv")
+    assert "Timeout" in results["gcp"] and "not a SkyPilot catalog" in results["azure"]
+    for cloud in ("gcp", "azure"):  # a failed refresh keeps the seeded snapshot
+        assert (tmp_path / cloud / "vms.csv").read_bytes() == (catalog.SHIPPED_DIR / cloud / "vms.csv").read_bytes()
+        assert catalog.provenance(cloud, tmp_path).source == catalog.SOURCE_SNAPSHOT
+    assert not list(tmp_path.rglob(".vms.csv.*"))  # no temporary file left behind
+
+
+def test_provenance_says_source_and_age():
+    book = PriceBook(clock=Clock(1_500.0))
+    quote = Offer(A, "a2-highgpu-1g", "A100", 1, SPOT, 1.8, 1_000.0, "live")
+    assert book.provenance(quote) == {"source": "live", "observed_at": 1_000.0, "age_s": 500.0}
+    assert book.provenance(_offer(A, 1.0))["source"] == "unknown"
 
 
 # ---- history -------------------------------------------------------------------------------

@@ -64,7 +64,10 @@ def serve(route: Callable[[Request], Reply]) -> Iterator[FakeServer]:
                 self.send_header(key, value)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
-            self.wfile.write(payload)
+            try:
+                self.wfile.write(payload)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout under test)
+                pass
 
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle
 
@@ -89,3 +92,69 @@ def serving(fake):
     with serve(fake.route) as server:
         fake.server = server
         yield fake
+
+
+# ---- price APIs: the real SDKs talk to these over HTTP ------------------------------------------
+
+
+def price_list_product(instance_type: str, region: str, usd: float, sku: str | None = None) -> str:
+    """One AWS Price List product as GetProducts returns it (a JSON string, format aws_v1)."""
+    sku = sku or f"SKU-{instance_type}-{region}"
+    return json.dumps({
+        "product": {"productFamily": "Compute Instance", "sku": sku, "attributes": {
+            "instanceType": instance_type, "regionCode": region, "operatingSystem": "Linux", "tenancy": "Shared",
+            "preInstalledSw": "NA", "capacitystatus": "Used", "marketoption": "OnDemand"}},
+        "serviceCode": "AmazonEC2",
+        "terms": {"OnDemand": {f"{sku}.JRTCKXETXF": {"offerTermCode": "JRTCKXETXF", "sku": sku, "priceDimensions": {
+            f"{sku}.JRTCKXETXF.6YS6EN2CT7": {"unit": "Hrs", "beginRange": "0", "endRange": "Inf",
+                                             "description": f"${usd} per On Demand Linux {instance_type} Instance Hour",
+                                             "pricePerUnit": {"USD": f"{usd:.10f}"}}}}}}})
+
+
+class FakePriceList:
+    """The AWS Price List API (awsJson1_1 `AWSPriceListService.GetProducts`), one product per page."""
+
+    def __init__(self, products: list[str]):
+        self.products = products
+        self.server: FakeServer | None = None
+
+    def route(self, req: Request) -> Reply:
+        if req.headers.get("x-amz-target") != "AWSPriceListService.GetProducts":
+            return 400, {"__type": "InvalidParameterException", "message": "unknown target"}
+        body = req.json()
+        wanted = {f["Field"]: f["Value"] for f in body.get("Filters", [])}
+        matching = [p for p in self.products
+                    if all(json.loads(p)["product"]["attributes"].get(k, v) == v for k, v in wanted.items())]
+        start = int(body.get("NextToken") or 0)
+        page = {"FormatVersion": "aws_v1", "PriceList": matching[start:start + 1]}
+        if start + 1 < len(matching):
+            page["NextToken"] = str(start + 1)
+        return 200, page, {"Content-Type": "application/x-amz-json-1.1"}
+
+
+def billing_sku(description: str, usage: str, usd: float, regions: list[str], group: str = "GPU") -> dict:
+    """A Cloud Billing Catalog Sku in its REST JSON form (int64 units travel as a string)."""
+    units, nanos = int(usd), round((usd - int(usd)) * 1e9)
+    sku_id = f"{abs(hash((description, usage))) % 10**12:012d}"
+    return {"name": f"services/6F81-5844-456A/skus/{sku_id}", "skuId": sku_id, "description": description,
+            "category": {"serviceDisplayName": "Compute Engine", "resourceFamily": "Compute",
+                         "resourceGroup": group, "usageType": usage},
+            "serviceRegions": regions,
+            "pricingInfo": [{"pricingExpression": {"usageUnit": "h", "tieredRates": [
+                {"startUsageAmount": 0, "unitPrice": {"currencyCode": "USD", "units": str(units), "nanos": nanos}}]}}]}
+
+
+class FakeBillingCatalog:
+    """`GET /v1/services/6F81-5844-456A/skus`, paged by pageToken, `page_size` SKUs a page."""
+
+    def __init__(self, skus: list[dict], page_size: int = 2):
+        self.skus = skus
+        self.page_size = page_size
+        self.server: FakeServer | None = None
+
+    def route(self, req: Request) -> Reply:
+        if req.path != "/v1/services/6F81-5844-456A/skus":
+            return 404, {"error": {"code": 404, "message": f"no {req.path}"}}
+        start = int(req.query.get("pageToken") or 0)
+        end = start + self.page_size
+        return 200, {"skus": self.skus[start:end], "nextPageToken": str(end) if end < len(self.skus) else ""}

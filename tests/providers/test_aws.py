@@ -27,6 +27,7 @@ from providers.base import (
     QuotaError,
     TransientError,
 )
+from tests.fakes.clouds import FakePriceList, price_list_product, serving
 from tests.helpers import moto_session
 
 REGION = "us-east-1"
@@ -133,8 +134,14 @@ def test_offers_from_moto_have_both_markets(provider):
 def _stubbed(sleeps: list[float] | None = None):
     client = moto_session(REGION).client("ec2")
     stub = Stubber(client)
+    pricing = moto_session(REGION).client("pricing")  # no pricing:GetProducts: on-demand from the catalog
+    denied = Stubber(pricing)
+    for _ in range(4):
+        denied.add_client_error("get_products", "AccessDeniedException", "not authorized", 400)
+    denied.activate()
     aws = AWSProvider([REGION], session=moto_session(REGION), clients={REGION: client}, image_id="ami-12345678",
-                      sleep=(sleeps.append if sleeps is not None else lambda s: None), attempts=3)
+                      sleep=(sleeps.append if sleeps is not None else lambda s: None), attempts=3,
+                      pricing_client=pricing)
     return aws, stub
 
 
@@ -163,6 +170,31 @@ def test_spot_price_history_is_paginated_and_latest_wins():
     assert spot["us-east-1a"].accelerator == "A100" and spot["us-east-1a"].accelerator_count == 8
     on_demand = [o for o in offers if o.market is Market.ON_DEMAND]
     assert len(on_demand) == 2 and all(o.price_per_hour > spot["us-east-1b"].price_per_hour for o in on_demand)
+    assert {o.source for o in on_demand} == {"snapshot"} and {o.source for o in spot.values()} == {"live"}
+
+
+def test_on_demand_prices_come_from_the_price_list_api():
+    """The real boto3 pricing client against a local Price List endpoint (paged, one product a page)."""
+    products = [price_list_product("p4d.24xlarge", REGION, 21.957642),
+                price_list_product("p4d.24xlarge", "us-east-2", 21.95764),
+                price_list_product("p4d.24xlarge", "eu-west-1", 24.59296),
+                price_list_product("g5.xlarge", REGION, 1.006)]
+    client = moto_session(REGION).client("ec2")
+    stub = Stubber(client)
+    stub.add_response("describe_spot_price_history", {
+        "SpotPriceHistory": [_quote("us-east-1a", "p4d.24xlarge", "8.191500", 5)]})
+    with serving(FakePriceList(products)) as fake, stub:
+        pricing = moto_session(REGION).client("pricing", endpoint_url=fake.server.url)
+        aws = AWSProvider([REGION], session=moto_session(REGION), clients={REGION: client}, pricing_client=pricing,
+                          sleep=lambda s: None)
+        offers = aws.offers("A100", 8)
+    gets = [r.json() for r in fake.server.requests]
+    assert len(gets) == 3 and gets[1]["NextToken"] == "1"  # the type's three regions, one page each
+    filters = {f["Field"]: f["Value"] for f in gets[0]["Filters"]}
+    assert filters["instanceType"] == "p4d.24xlarge" and filters["operatingSystem"] == "Linux"
+    assert filters["marketoption"] == "OnDemand" and filters["capacitystatus"] == "Used"
+    (od,) = [o for o in offers if o.market is Market.ON_DEMAND]
+    assert (od.location.zone, od.price_per_hour, od.source) == ("us-east-1a", pytest.approx(21.957642), "live")
 
 
 def test_throttling_is_retried_with_backoff():

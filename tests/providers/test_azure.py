@@ -215,6 +215,7 @@ def test_retail_prices_are_paginated_and_filtered():
     assert got == [("Standard_NC4as_T4_v3", "on_demand", 0.526), ("Standard_NC4as_T4_v3", "spot", 0.1578),
                    ("Standard_NC64as_T4_v3", "spot", 1.3056)]
     assert all(o.location == Location("azure", "eastus", "eastus") and o.accelerator == "T4" for o in offers)
+    assert {o.source for o in offers} == {"live"}
     assert {o.accelerator_count for o in offers if o.instance_type == "Standard_NC64as_T4_v3"} == {4}
 
 

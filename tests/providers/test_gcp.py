@@ -6,13 +6,14 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import re
+import time
 
 import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import billing_v1
 from google.cloud.billing_v1.services.cloud_catalog.transports.rest import CloudCatalogRestTransport
 
-from providers.catalog.loader import load_catalog
+from providers.catalog import loader
 from providers.base import (
     TAG_REPLICA,
     TAG_SERVICE,
@@ -26,7 +27,7 @@ from providers.base import (
     TransientError,
 )
 from providers.gcp import PREEMPTED_FILTER, GCPProvider, instance_name, label
-from tests.fakes.clouds import serve, serving
+from tests.fakes.clouds import FakeBillingCatalog, billing_sku, serving
 
 PROJECT = "proj-1"
 BASE = f"/compute/v1/projects/{PROJECT}"
@@ -198,40 +199,60 @@ def test_preemption_operation_becomes_one_notice(fake):
 def test_offers_come_from_the_catalog(fake):
     offers = _provider(fake).offers("A100", 1)
     spot = [o for o in offers if o.market is Market.SPOT]
-    assert spot and all(o.instance_type == "a2-highgpu-1g" for o in spot)
+    assert spot and all(o.instance_type == "a2-highgpu-1g" and o.source == "snapshot" for o in spot)
     on_demand = {(o.location, o.instance_type): o.price_per_hour for o in offers if o.market is Market.ON_DEMAND}
     assert all(o.price_per_hour < on_demand[(o.location, o.instance_type)] for o in spot)
 
 
-def _sku(gpu: str, usage: str, nanos: int, regions: list[str]) -> dict:
-    return {"name": f"services/6F81-5844-456A/skus/{gpu}-{usage}", "skuId": f"{gpu}-{usage}",
-            "description": f"Nvidia Tesla {gpu} GPU running in Americas",
-            "category": {"serviceDisplayName": "Compute Engine", "resourceFamily": "Compute",
-                         "resourceGroup": "GPU", "usageType": usage},
-            "serviceRegions": regions,
-            "pricingInfo": [{"pricingExpression": {"usageUnit": "h", "tieredRates": [
-                {"startUsageAmount": 0, "unitPrice": {"currencyCode": "USD", "units": "0", "nanos": nanos}}]}}]}
+AMERICAS = ["us-central1", "us-east1", "us-west1"]
+# Real SKU descriptions and Americas list prices (A2 core 0.031611/h, RAM 0.004237/GiB-h, A100 2.933908/h).
+BILLING_SKUS = [
+    billing_sku("A2 Instance Core running in Americas", "OnDemand", 0.031611, AMERICAS, "CPU"),
+    billing_sku("A2 Instance Ram running in Americas", "OnDemand", 0.004237, AMERICAS, "RAM"),
+    billing_sku("Nvidia Tesla A100 GPU running in Americas", "OnDemand", 2.933908, AMERICAS),
+    billing_sku("Spot Preemptible A2 Instance Core running in Americas", "Preemptible", 0.0158, AMERICAS, "CPU"),
+    billing_sku("Spot Preemptible A2 Instance Ram running in Americas", "Preemptible", 0.0021, AMERICAS, "RAM"),
+    billing_sku("Nvidia Tesla A100 GPU attached to Spot Preemptible VMs running in Americas", "Preemptible", 1.2,
+                AMERICAS),
+    billing_sku("Nvidia Tesla A100 80GB GPU running in Americas", "OnDemand", 9.99, AMERICAS),  # not the A100
+    billing_sku("Nvidia Tesla A100 GPU running in Americas (DWS Flex Start)", "OnDemand", 0.5, AMERICAS),
+    billing_sku("Commitment v1: A2 Cpu in Americas for 1 Year", "Commit1Yr", 0.01, AMERICAS, "CPU"),
+    billing_sku("Nvidia Tesla T4 GPU running in Americas", "OnDemand", 0.4, AMERICAS),
+    billing_sku("Nvidia Tesla T4 GPU attached to Spot Preemptible VMs running in Americas", "Preemptible", 0.1,
+                AMERICAS),
+]
 
 
-def test_billing_catalog_prices_attachable_gpus(fake):
-    pages = {"": {"skus": [_sku("T4", "OnDemand", 400_000_000, ["us-central1"])], "nextPageToken": "p2"},
-             "p2": {"skus": [_sku("T4", "Preemptible", 100_000_000, ["us-central1"]),
-                             _sku("T4", "Commit1Yr", 1, ["us-central1"])]}}
+@pytest.fixture
+def billing():
+    with serving(FakeBillingCatalog(BILLING_SKUS, page_size=3)) as catalog:
+        yield billing_v1.CloudCatalogClient(transport=CloudCatalogRestTransport(
+            host=catalog.server.host, credentials=AnonymousCredentials(), url_scheme="http"))
 
-    def billing_route(req):
-        assert req.path == "/v1/services/6F81-5844-456A/skus"
-        return 200, pages[req.query.get("pageToken", "")]
 
-    with serve(billing_route) as billing_server:
-        billing = billing_v1.CloudCatalogClient(transport=CloudCatalogRestTransport(
-            host=billing_server.host, credentials=AnonymousCredentials(), url_scheme="http"))
-        offers = _provider(fake, billing_client=billing, zones=["us-central1-a"]).offers("T4")
+def test_billing_catalog_prices_a2_machines_as_core_ram_and_gpu_skus(fake, billing):
+    offers = _provider(fake, billing_client=billing, zones=["us-central1-a"]).offers("A100")
+    quotes = {(o.instance_type, o.market): o for o in offers}
+    od = quotes[("a2-highgpu-1g", Market.ON_DEMAND)]
+    assert od.price_per_hour == pytest.approx(12 * 0.031611 + 85 * 0.004237 + 2.933908)  # 3.673385, GCP's list
+    assert od.source == "live" and od.observed_at == pytest.approx(time.time(), abs=60)
+    assert quotes[("a2-highgpu-1g", Market.SPOT)].price_per_hour == pytest.approx(12 * 0.0158 + 85 * 0.0021 + 1.2)
+    assert quotes[("a2-highgpu-8g", Market.ON_DEMAND)].price_per_hour == pytest.approx(
+        96 * 0.031611 + 680 * 0.004237 + 8 * 2.933908)
+    # A100-80GB machines (a2-ultragpu) have no 80GB Spot SKU here: their spot quote stays the catalog's.
+    ultra = [o for o in _provider(fake, billing_client=billing, zones=["us-central1-a"]).offers("A100-80GB")]
+    assert {(o.market, o.source) for o in ultra} == {(Market.ON_DEMAND, "live"), (Market.SPOT, "snapshot")}
+
+
+def test_billing_catalog_prices_attached_gpus_on_the_catalog_host(fake, billing):
+    offers = _provider(fake, billing_client=billing, zones=["us-central1-a"]).offers("T4")
     t4 = {(o.instance_type, o.market): o.price_per_hour for o in offers}
-    host = next(r for r in load_catalog("gcp").rows if r.zone == "us-central1-a" and r.instance_type.endswith("T4x1"))
-    # the snapshot's n1-standard-8 host price + the live per-GPU price x count
-    assert t4[("n1-standard-8+T4x1", Market.ON_DEMAND)] == pytest.approx(host.host_price + 0.4)
-    assert t4[("n1-standard-8+T4x1", Market.SPOT)] == pytest.approx(host.host_spot_price + 0.1)
-    assert t4[("n1-standard-8+T4x4", Market.SPOT)] == pytest.approx(host.host_spot_price + 4 * 0.1)
+    host = loader.host_price("gcp", "n1-highmem-4", "us-central1", "us-central1-a", Market.ON_DEMAND)
+    spot_host = loader.host_price("gcp", "n1-highmem-4", "us-central1", "us-central1-a", Market.SPOT)
+    assert t4[("n1-highmem-4+T4x1", Market.ON_DEMAND)] == pytest.approx(host + 0.4)
+    assert t4[("n1-highmem-4+T4x1", Market.SPOT)] == pytest.approx(spot_host + 0.1)
+    host8 = loader.host_price("gcp", "n1-highmem-8", "us-central1", "us-central1-a", Market.SPOT)
+    assert t4[("n1-highmem-8+T4x2", Market.SPOT)] == pytest.approx(host8 + 2 * 0.1)
 
 
 def test_names_and_labels_are_valid():
