@@ -48,16 +48,18 @@ from providers.base import (
     Provider,
     ProviderError,
     QuotaError,
+    ServiceNetwork,
     TransientError,
 )
 from providers import sdk
+from providers.images import DEFAULT_IMAGES
 
 log = logging.getLogger(__name__)
 
 LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
 SPOT_WARNING = "EC2 Spot Instance Interruption Warning"
 REBALANCE = "EC2 Instance Rebalance Recommendation"
-DEFAULT_AMI_NAME = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04)*"
+DEFAULT_AMI_NAME = DEFAULT_IMAGES["aws"]
 SPOT_NOTICE_S = 120  # AWS's interruption warning comes two minutes ahead
 
 _CAPACITY = {"InsufficientInstanceCapacity", "InsufficientHostCapacity", "InsufficientCapacity",
@@ -66,7 +68,8 @@ _CAPACITY = {"InsufficientInstanceCapacity", "InsufficientHostCapacity", "Insuff
 _QUOTA = {"InstanceLimitExceeded", "VcpuLimitExceeded", "MaxSpotInstanceCountExceeded",
           "SpotInstanceLimitExceeded"}
 _TRANSIENT = {"RequestLimitExceeded", "Throttling", "ThrottlingException", "ServiceUnavailable",
-              "InternalError", "Unavailable", "RequestTimeout", "IncorrectState"}
+              "InternalError", "Unavailable", "RequestTimeout", "IncorrectState",
+              "DependencyViolation"}  # a security group whose instances are still going away
 _AUTH = {"AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId", "ExpiredToken",
          "SignatureDoesNotMatch", "OptInRequired", "UnrecognizedClientException", "AccessDenied"}
 _NOT_FOUND = {"InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"}
@@ -140,6 +143,7 @@ class AWSProvider(Provider):
         self._sleep = sleep
         self._region_of: dict[str, str] = {}  # instance id -> region, learnt from launch/list
         self._zone_names: dict[str, str] = {}  # AZ id (use1-az1) -> this account's AZ name
+        self._subnets: dict[str, str | None] = {}  # "region/zone" -> the default VPC's subnet there
         self._seen_events: set[str] = set()
         # botocore retries off (one backoff helper), and bounded timeouts (no hangs).
         self._config = Config(retries={"total_max_attempts": 1}, connect_timeout=5, read_timeout=30)
@@ -247,18 +251,19 @@ class AWSProvider(Provider):
 
     def launch(self, request: LaunchRequest) -> Instance:
         region = request.location.region
-        existing = self.list({TAG_SERVICE: request.service, TAG_REPLICA: request.replica_id})
+        existing = self.list({TAG_SERVICE: request.service, TAG_REPLICA: request.replica_id}, regions=[region])
         if existing:  # a retried launch after the token expired, or after a daemon restart
             return existing[0]
         tags = sdk.launch_tags(request)
+        zone = self._zone_name(region, request.location.zone)
         params = {
-            "ImageId": self._image_id or self._default_image(region),
+            "ImageId": request.image_id or self._image_id or self._default_image(region),
             "InstanceType": request.instance_type,
             "MinCount": 1,
             "MaxCount": 1,
             "ClientToken": request.client_token,
-            "Placement": {"AvailabilityZone": self._zone_name(region, request.location.zone)},
-            "UserData": sdk.startup_script(request),
+            "Placement": {"AvailabilityZone": zone},
+            "UserData": sdk.user_data(request),
             "TagSpecifications": [{"ResourceType": "instance",
                                    "Tags": [{"Key": k, "Value": v} for k, v in sorted(tags.items())]}],
         }
@@ -267,10 +272,12 @@ class AWSProvider(Provider):
                 "MarketType": "spot",
                 "SpotOptions": {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"},
             }
-        if request.location.zone in self._subnet_ids:
-            params["SubnetId"] = self._subnet_ids[request.location.zone]
-        if self._security_group_ids:
-            params["SecurityGroupIds"] = self._security_group_ids
+        subnet = self._subnet_ids.get(request.location.zone) or self._subnet(region, zone)
+        if subnet:
+            params["SubnetId"] = subnet
+        groups = self._security_group_ids or [g for g in [self._service_group(region, request.service)] if g]
+        if groups:
+            params["SecurityGroupIds"] = groups
         if self._key_name:
             params["KeyName"] = self._key_name
         ec2 = self._ec2(region)
@@ -278,6 +285,71 @@ class AWSProvider(Provider):
         instance = self._to_instance(reply["Instances"][0], region)
         self._region_of[instance.instance_id] = region
         return instance
+
+    # ---- the service's network: default VPC, a security group per service and region ----------
+
+    def _default_vpc(self, region: str) -> str | None:
+        ec2 = self._ec2(region)
+        vpcs = self._call(lambda: ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}]))["Vpcs"]
+        return vpcs[0]["VpcId"] if vpcs else None
+
+    def _subnet(self, region: str, zone: str) -> str | None:
+        """The default VPC's subnet in the zone (its default one first); None without a default VPC."""
+        key = f"{region}/{zone}"
+        if key not in self._subnets:
+            vpc = self._default_vpc(region)
+            found = None
+            if vpc is not None:
+                ec2 = self._ec2(region)
+                wanted = [{"Name": "vpc-id", "Values": [vpc]}, {"Name": "availability-zone", "Values": [zone]}]
+                subnets = self._call(lambda: ec2.describe_subnets(Filters=wanted))["Subnets"]
+                subnets.sort(key=lambda s: (not s.get("DefaultForAz"), s["SubnetId"]))
+                found = subnets[0]["SubnetId"] if subnets else None
+            self._subnets[key] = found
+        return self._subnets[key]
+
+    def _service_group(self, region: str, service: str) -> str | None:
+        """The id of the service's security group in the region, None when there is none."""
+        ec2 = self._ec2(region)
+        wanted = [{"Name": f"tag:{TAG_SERVICE}", "Values": [service]},
+                  {"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]}]
+        groups = self._call(lambda: ec2.describe_security_groups(Filters=wanted))["SecurityGroups"]
+        return groups[0]["GroupId"] if groups else None
+
+    def prepare_network(self, network: ServiceNetwork) -> None:
+        for region in network.regions:
+            ec2 = self._ec2(region)
+            group = self._service_group(region, network.service)
+            if group is None:
+                vpc = self._default_vpc(region)
+                if vpc is None:
+                    raise ProviderError(f"aws {region}: no default VPC (create one: aws ec2 create-default-vpc)")
+                tags = [{"Key": TAG_SERVICE, "Value": network.service}, {"Key": TAG_MANAGED, "Value": "true"}]
+                group = self._call(lambda vpc=vpc, tags=tags, ec2=ec2: ec2.create_security_group(
+                    GroupName=f"spot-orchestrator-{network.service}", VpcId=vpc,
+                    Description=f"spot-orchestrator service {network.service}: replica ports",
+                    TagSpecifications=[{"ResourceType": "security-group", "Tags": tags}]))["GroupId"]
+            permissions = [{"IpProtocol": "tcp", "FromPort": port, "ToPort": port,
+                            "IpRanges": [{"CidrIp": cidr, "Description": "the daemon"}
+                                         for cidr in network.allowed_cidrs],
+                            "UserIdGroupPairs": [{"GroupId": group, "Description": "the service's replicas"}]}
+                           for port in network.ports]
+            for permission in permissions:  # one by one: an existing rule must not block the others
+                self._call(lambda p=permission, g=group, ec2=ec2: _authorize(ec2, g, p))
+
+    def remove_network(self, service: str, regions: Iterable[str] | None = None) -> None:
+        for region in sorted(set(regions)) if regions else self.regions:
+            try:
+                group = self._service_group(region, service)
+            except ProviderError as err:
+                log.warning("aws %s: looking for the security group of %s failed: %s", region, service, err)
+                continue
+            if group is not None:
+                ec2 = self._ec2(region)
+                try:
+                    self._call(lambda g=group, ec2=ec2: ec2.delete_security_group(GroupId=g))
+                except NotFoundError:
+                    pass
 
     def _zone_name(self, region: str, zone: str) -> str:
         """An AZ name for run_instances; SkyPilot's catalogs (the offline snapshot) use AZ ids."""
@@ -362,7 +434,8 @@ class AWSProvider(Provider):
         status = {"pending": InstanceStatus.PENDING, "running": InstanceStatus.RUNNING,
                   "stopping": InstanceStatus.STOPPING, "stopped": InstanceStatus.STOPPING,
                   "shutting-down": InstanceStatus.STOPPING}.get(state, InstanceStatus.TERMINATED)
-        host = item.get("PublicIpAddress") or item.get("PrivateIpAddress")
+        host = sdk.reachable_address(item.get("PublicIpAddress"), item.get("PrivateIpAddress"))
+        engine, agent, control = sdk.endpoints(host, tags)
         zone = item.get("Placement", {}).get("AvailabilityZone", "")
         launched = item.get("LaunchTime")
         return Instance(
@@ -372,7 +445,9 @@ class AWSProvider(Provider):
             instance_type=item.get("InstanceType", ""),
             status=status,
             tags=tags,
-            endpoint=sdk.endpoint(host, tags),
+            endpoint=engine,
+            agent_endpoint=agent,
+            control_endpoint=control,
             launched_at=_parse_time(launched) if launched else time.time(),
         )
 
@@ -413,6 +488,14 @@ def parse_price_list_product(text: str) -> tuple[str, float] | None:
     except (ValueError, KeyError, TypeError, StopIteration, AttributeError):
         return None
     return (region, price) if price > 0 and dimension.get("unit", "Hrs") == "Hrs" else None
+
+
+def _authorize(ec2, group: str, permission: dict) -> None:
+    try:
+        ec2.authorize_security_group_ingress(GroupId=group, IpPermissions=[permission])
+    except ClientError as err:
+        if err.response.get("Error", {}).get("Code") != "InvalidPermission.Duplicate":
+            raise
 
 
 def parse_event(body: str) -> Notice | None:

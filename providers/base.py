@@ -310,9 +310,10 @@ class Provider(abc.ABC):
         the service's own replicas, in each of `network.regions`. Called before the service's
         first launch and again on every `up`. Raises AuthError, QuotaError, ProviderError."""
 
-    def remove_network(self, service: str) -> None:  # noqa: B027 - optional hook
-        """Remove what `prepare_network` made for the service (at `down`, after its last
-        instance is gone); what is already gone is not an error."""
+    def remove_network(self, service: str, regions: Iterable[str] | None = None) -> None:  # noqa: B027
+        """Remove what `prepare_network` made for the service in `regions` (the provider's own
+        when None), at `down` after its last instance is gone; what is already gone is not an
+        error. Raises TransientError while instances still hold it."""
 
     # ---- instances -------------------------------------------------------------------------
 

@@ -277,7 +277,8 @@ class Daemon:
         try:
             cloud = self.spec_cloud(spec_from_json(row.spec_json))
             if not self.provider(cloud).runtime().on_this_host:
-                self.provider(cloud).remove_network(name)
+                spec = spec_from_json(row.spec_json)
+                self.provider(cloud).remove_network(name, self.network_for(spec, cloud).regions)
         except (ProviderError, UserError) as err:
             log.warning("service %s: removing its network failed (remove it by hand): %s", name, err)
 

@@ -28,6 +28,7 @@ from providers.base import (
     TransientError,
 )
 from tests.fakes.clouds import FakePriceList, price_list_product, serving
+from tests.fakes.launching import TOKEN, launch_request
 from tests.helpers import moto_session
 
 REGION = "us-east-1"
@@ -43,9 +44,8 @@ def provider(moto_url, moto_image):
 
 
 def _request(replica: str, market: Market, service: str = "chat") -> LaunchRequest:
-    return LaunchRequest(service=service, replica_id=replica, location=Location("aws", REGION, "us-east-1a"),
-                         market=market, instance_type="g6.xlarge", accelerator="L4", accelerator_count=1,
-                         command=["vllm", "serve", "m"], env={"A": "b c"}, port=8000)
+    return launch_request(AWSProvider([REGION]), replica, Location("aws", REGION, "us-east-1a"), market,
+                          service=service)
 
 
 def test_spot_and_on_demand_launch_are_tagged_and_found_by_tag(provider):
@@ -227,6 +227,8 @@ def test_throttling_that_persists_raises_transient():
 def test_launch_errors_are_typed(code, error):
     aws, stub = _stubbed()
     stub.add_response("describe_instances", {"Reservations": []})
+    stub.add_response("describe_vpcs", {"Vpcs": []})  # no default VPC: no subnet named
+    stub.add_response("describe_security_groups", {"SecurityGroups": []})
     stub.add_client_error("run_instances", code, f"{code} in us-east-1a", 400)
     with stub, pytest.raises(error) as info:
         aws.launch(_request("r9", Market.SPOT))
@@ -256,3 +258,56 @@ def test_parse_event_ignores_garbage():
     assert parse_event(json.dumps({"detail-type": "EC2 Spot Instance Interruption Warning"})) is None
     notice = parse_event(_event("EC2 Spot Instance Interruption Warning", "i-9", "2026-12-01T10:00:00Z"))
     assert notice.instance_id == "i-9" and notice.kind is NoticeKind.PREEMPT
+
+
+# ---- the launch path: boot script, network, endpoints ---------------------------------------
+
+
+def test_the_vm_boots_the_rendered_boot_script_without_secrets(provider):
+    import base64
+
+    instance = provider.launch(_request("r7", Market.SPOT))
+    ec2 = moto_session(REGION).client("ec2", endpoint_url=provider._endpoint_url)
+    user_data = ec2.describe_instance_attribute(InstanceId=instance.instance_id, Attribute="userData")
+    script = base64.b64decode(user_data["UserData"]["Value"]).decode()
+    assert script.startswith("#!/bin/bash") and "orchestrator.replica.main --cloud aws" in script
+    assert TOKEN in script and "KV_SECRET" not in script  # a one-time token, never the secret
+    tags = {t["Key"]: t["Value"] for t in ec2.describe_tags(
+        Filters=[{"Name": "resource-id", "Values": [instance.instance_id]}])["Tags"]}
+    assert tags["spot-orchestrator-ports"] == "8000-8471-8472" and tags[TAG_REPLICA] == "r7"
+
+
+def test_the_service_network_opens_the_replica_ports_to_the_daemon_and_itself_only(provider, monkeypatch):
+    from providers.base import ServiceNetwork
+
+    monkeypatch.setenv("SPOT_ORCHESTRATOR_REPLICA_ADDRESS", "private")
+    network = ServiceNetwork("netsvc", (8000, 8471, 8472), ("203.0.113.5/32",), (REGION,))
+    provider.prepare_network(network)
+    provider.prepare_network(network)  # idempotent
+    ec2 = moto_session(REGION).client("ec2", endpoint_url=provider._endpoint_url)
+    (group,) = ec2.describe_security_groups(Filters=[{"Name": f"tag:{TAG_SERVICE}", "Values": ["netsvc"]}])[
+        "SecurityGroups"]
+    rules = {(p["FromPort"], tuple(r["CidrIp"] for r in p["IpRanges"]),
+              tuple(g["GroupId"] for g in p["UserIdGroupPairs"])) for p in group["IpPermissions"]}
+    assert rules == {(port, ("203.0.113.5/32",), (group["GroupId"],)) for port in (8000, 8471, 8472)}
+    instance = provider.launch(_request("r8", Market.SPOT, service="netsvc"))
+    described = ec2.describe_instances(InstanceIds=[instance.instance_id])["Reservations"][0]["Instances"][0]
+    assert [g["GroupId"] for g in described["SecurityGroups"]] == [group["GroupId"]]
+    assert described["SubnetId"].startswith("subnet-")
+    address = described["PrivateIpAddress"]
+    assert instance.endpoint == f"http://{address}:8000" and instance.agent_endpoint == f"http://{address}:8471"
+    assert instance.control_endpoint == f"http://{address}:8472"
+    provider.terminate(instance.instance_id)
+    provider.remove_network("netsvc", [REGION])
+    assert ec2.describe_security_groups(Filters=[{"Name": f"tag:{TAG_SERVICE}", "Values": ["netsvc"]}])[
+        "SecurityGroups"] == []
+    provider.remove_network("netsvc", [REGION])  # gone already: not an error
+
+
+def test_one_region_that_cannot_be_read_does_not_hide_the_others(provider):
+    instance = provider.launch(_request("r10", Market.SPOT, service="regions"))
+    broken = AWSProvider([REGION, "me-central-1"], session=moto_session(REGION), endpoint_url="http://127.0.0.1:9",
+                         clients={REGION: provider._ec2(REGION)}, sleep=lambda s: None, attempts=1)
+    found = broken.list({TAG_SERVICE: "regions"})
+    assert [i.instance_id for i in found] == [instance.instance_id]
+    assert found.unknown_regions == {"me-central-1"}
