@@ -1,12 +1,13 @@
 """Replica entry point (replica side, stdlib only): start the agent, then become vLLM.
 
     python -m orchestrator.replica.main --agent-port P --secret-file F [--store-max-bytes N] \
-        -- <vLLM OpenAI server arguments>
+        [--watch CLOUD --api DAEMON_URL] -- <vLLM OpenAI server arguments>
 
-The agent (shard store + notice watchers) is started as a child in the same process
-group, so the provider's kill of the group (a preemption) takes both down together, as a
-real machine going away would. Then this process execs vLLM's OpenAI server: the
-instance's main pid is the engine.
+The daemon's launcher (orchestrator.control.launch) makes this every replica machine's command.
+The agent (shard store + notice watcher) is started as a child in the same process group, so
+the provider's kill of the group (a preemption) takes both down together, as a real machine
+going away would. Then this process execs vLLM's OpenAI server: the instance's main pid is the
+engine.
 """
 
 from __future__ import annotations
