@@ -174,7 +174,7 @@ def test_the_migrator_is_handed_its_collaborators_not_the_daemon():
 def test_nothing_refers_to_documents_or_issues_outside_the_repository():
     tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                              capture_output=True, text=True, check=True).stdout.split()
-    pattern = re.compile(r"REFERENCE\.md|DESIGN\.md|STYLE\.md|issue [0-9]+|\.\./shared/(?!traces)")
+    pattern = re.compile(r"REFERENCE\.md|DESIGN\.md|STYLE\.md|issue [0-9]+|\.\./shared/(?!traces)", re.IGNORECASE)
     hits = []
     for name in tracked:
         path = REPO / name

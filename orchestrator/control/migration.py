@@ -1,28 +1,13 @@
-"""notice -> drain -> flush KV -> resume in-flight requests elsewhere (the preemption path).
+"""notice -> drain -> cut -> flush KV -> resume in-flight requests elsewhere (the preemption path).
 
-The preemption path's first steps, in the order that keeps clients unaware:
-1. the load balancer drains the replica (no new request from that instant, whatever replica
-   set the controller publishes later), then the controller marks it DRAINING and the policy
-   is asked for a replacement at once, not at the next tick: a notice is the cheapest moment
-   to start a cold start. The LB goes first because the controller's lock may be held by a
-   reconcile pass talking to a cloud API, and steps 2-3 need nothing from the controller;
-2. the load balancer cuts the replica's in-flight streams. From then on the client has no
-   token the replica has not already generated, and each of those tokens' full blocks was
-   handed to the replica's KV saver in the step that computed it;
-3. the replica's connector pushes what it has not yet stored (flush), and only then does the
-   load balancer continue each cut stream on a healthy replica from the tokens already
-   streamed; that replica loads the prefix from the shard stores and recomputes at most the
-   last partial block. Flushing before the cut would leave the blocks completed between the
-   flush and the cut unstored, and the continuation would recompute them.
-A notice whose deadline has already passed is an immediate loss: no flush (the replica may
-be gone), the instance is ended now, and the streams continue from whatever the stores have.
-At the deadline the instance dies; the controller observes it and marks it PREEMPTED.
-
-What the healthy replicas' connectors loaded and recomputed for the continuations goes to
-the service's load-balancer /metrics (spot_migration_*), next to the LB's own seam metrics.
-Each continuation carries an X-Request-Id from the LB that vLLM keeps in its request id, so
-the connectors' records of exactly those requests are summed, whatever else the replicas
-admitted meanwhile.
+The daemon makes one Migrator and hands it every notice (agents' POST /v1/notices, the clouds'
+feeds read by the reconcile loop, `spotctl chaos`). In this order: the service's load balancer
+drains the replica at once (before the controller's lock, which a reconcile pass may hold), the
+controller marks it DRAINING and a replacement is asked for now; the LB cuts its streams, the
+replica's connector flushes its unstored KV blocks, and only then are the cut streams continued
+on healthy replicas, which load the prefix from the shard stores. A notice whose deadline has
+passed is an immediate loss (no flush). What the continuations loaded and recomputed goes to the
+LB's /metrics (spot_migration_*) and the events. docs/preemption.md has each step's reason.
 """
 
 from __future__ import annotations

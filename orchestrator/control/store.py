@@ -1,27 +1,15 @@
 """The state store: sqlmodel tables and the engine (SQLite by default, any SQLAlchemy URL).
 
-All control-plane state lives here, so the daemon can crash and restart without losing
-anything. Default database: `sqlite:///<paths.home()>/state.db` (WAL, busy timeout, foreign
-keys on); `SPOT_ORCHESTRATOR_DB_URL` or `Store(url)` selects another (e.g. PostgreSQL).
-
-Writes are transactional:
-
-    store = Store()
-    with store.transaction() as tx:          # all or nothing
-        tx.create_or_update_service("chat", spec_json)
-        r = tx.add_replica("chat", cloud="local", region="local", zone="local-a", market="spot")
-        tx.record_event("launch", service="chat", replica_id=r.replica_id)
-
-Every Store method is also available on `tx` (same signature); called on the store itself
-it runs in a transaction of its own.
-
-Returned rows are the table objects, detached from their session (expire_on_commit=False):
-plain values to read; changing an attribute does NOT write it back: use the update_* methods.
-
-Replicas carry a `version` for optimistic concurrency: `update_replica(id, expected_version,
-**fields)` raises ConflictError when another writer got there first. A change of `state` is
-checked against `orchestrator.fleet.lifecycle.VALID_TRANSITIONS` (IllegalTransition otherwise) and
-recorded as a "transition" event in the same transaction.
+All control-plane state lives here (the daemon, its controllers, the migrator and the API use
+it), so the daemon can crash and restart without losing anything. Default database:
+`sqlite:///<paths.home()>/state.db` (WAL, busy timeout, foreign keys on); `SPOT_ORCHESTRATOR_DB_URL`
+or `Store(url)` selects another (e.g. PostgreSQL). Writes are transactional: `with
+store.transaction() as tx:` offers every Store method on `tx`, all or nothing; called on the
+store itself, a method runs in a transaction of its own. Returned rows are detached table
+objects: plain values to read; changing an attribute writes nothing (use the update_* methods).
+`update_replica(id, expected_version, **fields)` raises ConflictError when another writer got
+there first, and IllegalTransition for a state change orchestrator.fleet.lifecycle does not allow
+(an allowed one is recorded as a "transition" event in the same transaction).
 """
 
 from __future__ import annotations

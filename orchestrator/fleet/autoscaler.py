@@ -2,7 +2,8 @@
 
 SkyServe: target = ceil(QPS over the last window / target_qps_per_replica), clipped to
 [min, max]; a change is applied only after it has been wanted for upscale_delay (resp.
-downscale_delay) seconds, so a burst does not flap the fleet.
+downscale_delay) seconds, so a burst does not flap the fleet. Each service's controller
+(orchestrator.control.controller) keeps one and asks it for the target on every reconcile.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """The decision code the daemon's controller and the trace simulator share.
 
-Both drive the same PlacementPolicy; everything between the facts they observe and the
-policy's inputs and outputs lives here, so a simulated result says something about the
-live system:
-
-- what the policy sees of a replica (`replica_view`) and of the world (`price_book`,
-  `policy_input`);
-- what an observed fact about a replica means: its next lifecycle state and the market
-  event the policy learns from (`instance_gone`, `notice_arrived`, `LAUNCH_GRANTED`,
-  `launch_failed`, `became_ready`, `removed`);
-- how a Decision is carried out: which removals still apply, and in what order (`plan`).
-
-Pure: no I/O, no clock, no store. The controller applies the outcomes to store rows and
-the provider; the simulator to its in-memory replicas and the trace's capacities.
+Both drive the same PlacementPolicy, and everything between the facts they observe and the
+policy's inputs and outputs lives here, so a simulated result says something about the live
+system: what the policy sees (`replica_view`, `price_book`, `policy_input`); what an observed fact
+means, the replica's next state and the market event the policy learns from (`instance_gone`,
+`notice_arrived`, `LAUNCH_GRANTED`, `launch_failed`, `became_ready`, `removed`); and how a Decision
+is carried out (`plan`). Pure: no I/O, no clock, no store. The controller applies the outcomes to
+store rows and the provider, the simulator to its in-memory replicas and the trace's capacities.
+docs/lifecycle.md has the facts and their outcomes as a table.
 """
 
 from __future__ import annotations

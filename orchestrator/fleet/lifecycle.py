@@ -1,22 +1,13 @@
 """The replica lifecycle: explicit states and the one table of allowed transitions.
 
-Modelled on Ray autoscaler v2's instance manager: every state maps to the states it may go
-to, and every edge says in one line when it happens. `transition()` refuses any edge that
-is not in the table, so a controller bug shows up as an `IllegalTransition` instead of a
-replica silently stuck in a state nobody expects. The store (`orchestrator.control.store`) calls
-`transition()` on every state change and records the returned `TransitionRecord` as an
-event, so the history of a replica is always explainable.
-
-States are SkyServe's plus two of ours:
-- DRAINING: a preemption notice (or a graceful scale-down) arrived; the replica serves no
-  new requests, flushes its KV shards, and dies at its deadline.
-- TERMINATED: removed on purpose and its instance is gone. SkyServe deletes such records;
-  we keep them for `status`/events history, and without a final "gone" state a replica
-  removed by a scale-down would have to be mislabelled FAILED or stay SHUTTING_DOWN.
-
-"Terminal" means: never serves again and no policy counts it. Some terminal states still
-have one outgoing edge (to FAILED_CLEANUP) because cleaning up their instance can fail
-after the fact; TERMINATED and FAILED_CLEANUP have none.
+Every state maps to the states it may go to, and every edge says in one line when it is taken
+(VALID_TRANSITIONS, modelled on Ray autoscaler v2's instance manager). `transition()` refuses an
+edge that is not in the table with IllegalTransition, so a controller bug shows up as an error
+instead of a replica stuck in a state nobody expects. The store (orchestrator.control.store) calls
+it on every state change and records the returned TransitionRecord as an event; the controller,
+the simulator and orchestrator.fleet.decisions use the predicates. States are SkyServe's plus
+DRAINING (noticed: serves nothing new, flushes its KV, dies at its deadline) and TERMINATED
+(removed on purpose, its instance gone). docs/lifecycle.md has why, and what "terminal" means.
 """
 
 from __future__ import annotations

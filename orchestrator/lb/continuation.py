@@ -1,38 +1,15 @@
 """Continuing a client's token stream on another replica when its replica goes away.
 
-The load balancer asks every replica for token ids (`return_token_ids`), so at any moment it
-knows the prompt's ids and every id streamed so far. When the upstream stream breaks or is cut
-for a migration, the request goes on elsewhere in one of two ways, chosen per request up front:
-
-- RESUME: `/v1/completions` with `prompt` = prompt ids + generated ids, the same sampling
-  parameters and stop token ids, and the remaining `max_tokens`/`min_tokens`. The new replica
-  finds that prefix's KV in the shard stores. Greedy decoding continues token for token;
-  unseeded sampling continues as a fresh sample of the same distribution (there is nothing
-  to reproduce). Chat requests resume from their templated prompt ids; the completion chunks
-  are turned back into chat.completion.chunk events with the original id/model/created.
-- REPLAY: the original request again; the replica regenerates the tokens already sent, the LB
-  checks them against what the client got and forwards only what follows. Used where the
-  sampling state depends on the tokens generated (a seed: vLLM seeds a generator per request,
-  and a resumed request would restart it; presence/frequency penalties, which count output
-  tokens only; grammars of structured output). Token-exact for deterministic replicas, at the
-  cost of regenerating the sent tokens. A divergence falls back to RESUME (counted).
-
-The seam is placed after the last token that released text. A token can end inside a UTF-8
-character; the replica then sends it with empty text and holds its bytes back, and vLLM's
-detokenizer, primed with a prompt ending in such bytes, would emit the whole prompt's text.
-So a RESUME of greedy decoding starts at that clean point and the new replica regenerates the
-held-back tokens (checked and skipped as in a replay); for unseeded sampling they are dropped,
-unless the client has already seen their ids (then the seam stays where it is).
-
-Requests neither can continue (n > 1, logprobs, echo, tools, several prompts) pass through
-untouched; breaking mid-stream ends them with an error event.
-
-Stop strings of continuable requests are matched here, not by the replica: a replica only
-checks the text it generated itself (a stop string straddling the seam would be missed) and
-holds back text that might start one (which a break would lose). The LB holds back the same
-`len(longest stop) - 1` characters, and finishes the stream at the earliest completed stop
-string (vLLM's rule), across seams included. Usage then counts the tokens up to and including
-the chunk that completed it, which is vLLM's count whenever a chunk carries one token.
+The load balancer (orchestrator.lb.proxy) plans every streamed completion with `plan_stream` and
+runs a continuable one through a `Splice`, which knows the prompt's token ids and every id
+streamed so far. When the stream breaks or is cut for a migration, the request goes on elsewhere:
+RESUME sends prompt + generated ids to /v1/completions with the remaining budget (greedy decoding
+continues token for token; the new replica loads the prefix's KV from the shard stores); REPLAY
+sends the original request again, checks the tokens the client already has and skips them
+(seeded sampling, output penalties, structured output). Requests neither can continue pass
+through. Stop strings of continuable requests are matched here, across seams. `new_seam_id` and
+`seam_id_in` name continuation requests for the migrator. docs/preemption.md has the rules, where
+a seam goes, and what each kind of request is guaranteed.
 """
 
 from __future__ import annotations
@@ -145,6 +122,8 @@ def _choose_mode(path: str, body: dict) -> tuple[Mode, str]:
 
 
 def plan_stream(path: str, body: dict) -> StreamPlan:
+    """How a streamed request to `path` is continued, and what its stream must honour. Raises
+    ValueError or TypeError for a temperature or min_tokens that is not a number."""
     mode, reason = _choose_mode(path, body)
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else tuple(s for s in stop if s)
@@ -254,8 +233,8 @@ class Splice:
         """Expect the next segment to reproduce generated[position:] first (checked, not sent)."""
         self.replaying, self.replay_pos, self.replay_text = True, position, ""
         self.replay_start = position
-        # Tokens after `position` released no text (see the module doc), so the replay's text
-        # lines up with what the client has from `position` on.
+        # Tokens after `position` released no text (the seam sits after the last one that did),
+        # so the replay's text lines up with what the client has from `position` on.
         self.replay_base = len(self.upstream_text) if position else 0
 
     def replay_diverged(self) -> None:
@@ -294,7 +273,10 @@ class Splice:
 
     # -- what the client gets -----------------------------------------------------------------
     def on_data(self, data: bytes) -> tuple[list[bytes], int]:
-        """The client's events for one upstream payload, and how many new tokens it carried."""
+        """The client's events for one upstream payload, and how many new tokens it carried.
+        Raises UpstreamStreamError for an error event, SeamMismatch when a replay gives another
+        token than the client has (or ends before catching up), ValueError for a payload that
+        is not JSON."""
         if data == DONE or self.finished:
             return [], 0
         chunk = json.loads(data)

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one load balancer (its own registry: the daemon runs one LB per service).
+"""Prometheus metrics of one load balancer (its own registry: the daemon runs one LB per service,
+and the migrator registers its spot_migration_* metrics in the same registry).
 
 In-flight counts are read from the LB at scrape time instead of being kept in a Gauge, so the
 hot path touches one dict, not a metric object, per request.

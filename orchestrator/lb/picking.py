@@ -1,7 +1,8 @@
 """How the load balancer chooses a replica: pure functions of the candidates and their loads.
 
 SkyServe's two policies: `least_load` (fewest requests in flight, default) and `round_robin`.
-Both are deterministic given their inputs, so tests can assert exact placements.
+orchestrator.lb.proxy makes one picker per load balancer (`make_picker`). Both are deterministic
+given their inputs, so tests can assert exact placements.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ POLICIES: dict[str, type[ReplicaPicker]] = {"least_load": LeastLoad, "round_robi
 
 
 def make_picker(policy: str) -> ReplicaPicker:
+    """A fresh picker for `policy`; UserError naming the known policies for any other name."""
     try:
         return POLICIES[policy]()
     except KeyError:

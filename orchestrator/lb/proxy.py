@@ -1,12 +1,12 @@
 """OpenAI-compatible load balancer in front of one service's vLLM replicas.
 
-Routes `/v1/completions`, `/v1/chat/completions` (streamed or not), `/v1/models` and any other
-`/v1/...` call to a ready replica (least_load or round_robin), retries a try that cannot reach
-its replica on another one (3 tries, as SkyServe), and continues a broken or migrated stream
-on another replica token for token (orchestrator/lb/continuation.py). Serves `/health` and
-Prometheus `/metrics`.
-
-Raw ASGI on purpose: the proxy hop has a budget of about a millisecond, and a framework's
+The daemon runs one per service, tells it the replica set (`set_replicas`), and its migrator
+drains and migrates replicas on notices (`drain`, `migrate`). It routes `/v1/completions`,
+`/v1/chat/completions` (streamed or not), `/v1/models` and any other `/v1/...` call to a ready
+replica (least_load or round_robin), retries a try that cannot reach its replica on another one
+(3 tries, as SkyServe), and continues a broken or migrated stream on another replica token for
+token (orchestrator.lb.continuation; docs/preemption.md). Serves `/health` and Prometheus
+`/metrics`. Raw ASGI on purpose: the hop has a budget of about a millisecond, and a framework's
 routing, request objects and per-response disconnect-listener tasks cost a good part of it.
 Everything runs on the LB's own event loop; `set_replicas`, `in_flight` and `migrate` may be
 called from any thread.
@@ -187,7 +187,8 @@ class LoadBalancer:
     # -- the daemon's side ----------------------------------------------------------------------
     def set_replicas(self, upstreams: Iterable[Upstream]) -> None:
         """Replace the replica set. Draining or not-ready replicas get no new requests; requests
-        already on a replica that left the set go on until they end or it dies."""
+        already on a replica that left the set go on until they end or it dies. Raises UserError
+        for a replica URL that is not http(s)://host:port."""
         replicas = {u.replica_id: _validate(u) for u in upstreams}
         with self._replicas_lock:
             self._drained &= replicas.keys()  # ids are never reused: one that left is gone
@@ -229,6 +230,7 @@ class LoadBalancer:
         the place for the KV flush, since by then every token a client has was generated and
         its block handed to the replica's saver. The future resolves once every cut request
         has resumed elsewhere or failed. From async code: `await asyncio.wrap_future(...)`.
+        Raises RuntimeError before the load balancer serves (`start`).
         """
         if self._loop is None:
             raise RuntimeError("the load balancer is not serving yet")
@@ -268,7 +270,8 @@ class LoadBalancer:
 
     # -- running it -----------------------------------------------------------------------------
     def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Serve in a background thread (its own event loop); returns the port."""
+        """Serve in a background thread (its own event loop); returns the port. Raises UserError
+        when it cannot listen on host:port, RuntimeError when it already runs or did not start."""
         if self._thread is not None:
             raise RuntimeError("the load balancer is already running")
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)

@@ -1,9 +1,10 @@
 """The LB's HTTP server: uvicorn's httptools protocol, writing each response in one syscall.
 
-uvicorn writes a response's status line and headers, then its body, as separate socket
-writes; on loopback each costs tens of microseconds of TCP work, a large share of the LB's
-hop. Writes issued within one event-loop step are joined and sent at the end of it, so a
-non-streamed response leaves in one write and a stream in one write per chunk.
+LoadBalancer.start runs uvicorn with this protocol. uvicorn writes a response's status line and
+headers, then its body, as separate socket writes; on loopback each costs tens of microseconds of
+TCP work, a large share of the LB's hop. Writes issued within one event-loop step are joined and
+sent at the end of it, so a non-streamed response leaves in one write and a stream in one write
+per chunk.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Server-sent events, as OpenAI-style servers stream them: split bytes into events' data."""
+"""Server-sent events, as OpenAI-style servers stream them: split bytes into events' data (the
+load balancer reads its replicas' streams with SSESplitter and writes events with sse_event).
+"""
 
 from __future__ import annotations
 

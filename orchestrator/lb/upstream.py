@@ -1,12 +1,12 @@
 """The LB's client for non-streamed requests to its replicas: pooled keep-alive HTTP/1.1.
 
-Why not aiohttp here (it still carries the streams): its client spends about as much CPU per
+orchestrator.lb.proxy sends every non-streamed http:// request through it (aiohttp still carries
+the streams, HEAD and https). Why not aiohttp here: its client spends about as much CPU per
 request as the rest of the LB's hop together (request/response objects, header multidicts,
-payload wrappers, tracing hooks, timers), and a non-streamed completion through the LB is
-exactly one small request and one small response on a connection that is kept open. This
-client writes the request in one write and parses the answer with httptools (the parser
-uvicorn uses), on connections it keeps per replica. What it does not do (TLS, redirects,
-proxies, cookies, decompression, HEAD) the LB never needs for a replica's /v1 API.
+payload wrappers, tracing hooks, timers), and a non-streamed completion is one small request and
+one small response on a kept-open connection. This client writes the request in one write and
+parses the answer with httptools (uvicorn's parser), on connections it keeps per replica. What it
+does not do (TLS, redirects, proxies, cookies, decompression, HEAD) the LB never needs there.
 """
 
 from __future__ import annotations
@@ -150,7 +150,9 @@ class UpstreamPool:
     async def request(self, base_url: str, method: str, target: str, body: bytes,
                       headers: dict[str, str]) -> tuple[int, bytes, bytes]:
         """(status, body, content type) of one request. A kept-alive connection the replica
-        closed meanwhile is replaced once, transparently (nothing of the answer was read)."""
+        closed meanwhile is replaced once, transparently (nothing of the answer was read).
+        Raises UpstreamConnectError when no connection can be made (or the URL is not http://),
+        UpstreamError when the answer breaks off, is malformed or stalls for idle_timeout."""
         host, port, host_header = self._address(base_url)
         head = [f"{method} {target} HTTP/1.1".encode(), b"Host: " + host_header,
                 b"Content-Length: " + str(len(body)).encode()]

@@ -3,16 +3,12 @@
     python -m orchestrator.replica.agent --store-port P --secret-file F [--max-bytes N] [--ttl S] [--host H]
                                  [--watch aws|gcp|azure --api DAEMON_URL [--metadata-url URL]]
 
-With --watch, the agent also polls the cloud's metadata service for preemption notices
-(orchestrator.replica.watchers) and reports them to the daemon, authenticated with the service's
-KV secret (a replica machine never holds the daemon's admin token).
-
-Logs one line "agent: shard store listening on http://H:P" once the port is bound (with
---store-port 0 the line names the port the OS picked). SIGTERM/SIGINT shut it down cleanly.
-
-Hook for more agent duties (the notice watchers): `serve(options, duties=[...])` calls each
-duty's start() once the store listens and its stop() at shutdown; a duty runs in its own
-thread (orchestrator.replica.watchers.WatchLoop has that shape).
+orchestrator.replica.main starts it. With --watch it also runs the cloud's notice watcher
+(orchestrator.replica.watchers), which reports notices to the daemon with the service's KV secret
+(a replica machine never holds the daemon's admin token). It logs "agent: shard store listening
+on http://H:P" once the port is bound (with --store-port 0, the port the OS picked) and stops
+cleanly on SIGTERM/SIGINT. More duties: `serve(options, duties=[...])` starts each once the store
+listens and stops it at shutdown (watchers.WatchLoop has that shape).
 """
 
 from __future__ import annotations
@@ -52,6 +48,8 @@ class AgentOptions:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> AgentOptions:
+    """The options; a bad or missing one (an unreadable or empty secret file, say) exits with
+    argparse's usage error (SystemExit 2)."""
     parser = argparse.ArgumentParser(prog="python -m orchestrator.replica.agent", description=__doc__.split("\n")[0])
     parser.add_argument("--store-port", type=int, help="shard store port (0: any free one; none: no store)")
     parser.add_argument("--secret-file", type=Path, required=True, help="file holding the service's KV secret")
@@ -91,7 +89,8 @@ def notice_duties(options: AgentOptions) -> list[Duty]:
 
 
 async def serve(options: AgentOptions, duties: Sequence[Duty] = (), stop: asyncio.Event | None = None) -> None:
-    """Run the shard store (and the duties) until SIGTERM/SIGINT (or `stop` is set)."""
+    """Run the shard store (and the duties) until SIGTERM/SIGINT (or `stop` is set). Raises
+    OSError when the store's address cannot be bound."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -128,7 +127,7 @@ def _loop_factory():
 
 
 def run(options: AgentOptions, duties: Sequence[Duty] = ()) -> None:
-    """Serve until SIGTERM/SIGINT, on uvloop when it is installed."""
+    """Serve until SIGTERM/SIGINT, on uvloop when it is installed (OSError as `serve`)."""
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(serve(options, duties))
 

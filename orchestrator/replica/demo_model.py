@@ -1,17 +1,13 @@
 """Random-weight Llama models for the local cloud, tests and benchmarks (no download).
 
 `ensure_demo_model("tiny")` builds, once per machine, a byte-level BPE tokenizer (with a chat
-template, so /v1/chat/completions works) and a LlamaForCausalLM with fixed-seed random
-weights, saved in Hugging Face format for vLLM. The folder name carries a key of the
-recipe, so a changed recipe builds a new folder and concurrent callers never see a half
-written one (each builds in a temporary folder and renames it into place).
-
-Weights are drawn with a large standard deviation: with the default init a random model
-repeats one token, and tests need continuations that differ token by token. The logits of
-the special tokens are zeroed so greedy decoding never stops early on EOS.
-
-Replica-side module: it needs torch, transformers and tokenizers (the replica runtime has
-them with vLLM) and imports them only when a model has to be built.
+template, so /v1/chat/completions works) and a LlamaForCausalLM with fixed-seed random weights,
+in Hugging Face format for vLLM. The folder name carries a key of the recipe, so a changed
+recipe builds a new folder, and concurrent builders never expose a half-written one (each builds
+in a temporary folder and renames it into place). Weights have a large standard deviation (with
+the default init a random model repeats one token) and the special tokens' logits are zeroed,
+so greedy decoding never stops early on EOS. Needs torch, transformers and tokenizers (the
+replica runtime has them), imported only to build.
 
     python -m orchestrator.replica.demo_model --size tiny [--root DIR]   # prints the model folder
 """
@@ -68,7 +64,7 @@ class ModelSize:
 SIZES: dict[str, ModelSize] = {
     # Loads in vLLM CPU in ~20 s; prompts of many 32-token blocks fit.
     "tiny": ModelSize(128, 256, 2, 2, 2, 2048),
-    # Issue 6's migration benchmark: recomputing a 2,000-token prompt takes well over a
+    # For tests/benchmarks/bench_migration.py: recomputing a 2,000-token prompt takes well over a
     # second on 2 cores, while its KV (GQA, 4 layers x 2 KV heads) stays ~2 KiB per token,
     # so loading it is far cheaper than recomputing it.
     "bench": ModelSize(512, 1024, 4, 8, 2, 8192),
@@ -88,7 +84,8 @@ def default_root() -> Path:
 
 
 def ensure_demo_model(size: str = "tiny", root: Path | None = None) -> Path:
-    """The folder of the demo model of this size, built first if it is not there yet."""
+    """The folder of the demo model of this size, built first if it is not there yet.
+    Raises UserError for an unknown size."""
     if size not in SIZES:
         from orchestrator.common.errors import UserError
 

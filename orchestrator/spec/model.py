@@ -23,7 +23,7 @@ LB_POLICIES = ("round_robin", "least_load", "instance_aware_least_load")  # SkyS
 DEFAULT_LB_POLICY = "least_load"
 SPOT_PLACERS = ("dynamic_fallback",)
 DEFAULT_PLACEMENT_POLICY = "default"  # policies.base.load_policy resolves it
-CPU_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
+CPU_BLOCK_SIZE = 32  # vLLM's CPU attention needs a block size that is a multiple of 32
 TINY_MODEL = "tiny"  # the locally generated demo model (orchestrator.replica.demo_model)
 
 

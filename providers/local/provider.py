@@ -1,54 +1,14 @@
 """The `local` cloud: replicas are real local processes in simulated zones.
 
-One region ("local") with zones (default local-a, local-b, local-c), each with its own spot
-and on-demand price. `launch()` runs `request.command` as a detached process group (its own
-session) with `os.environ | request.env`, output to `paths.logs_dir()/<replica>.<instance>.log`.
-Every process also gets SPOT_ORCHESTRATOR_INSTANCE_ID and SPOT_ORCHESTRATOR_LOCAL_NOTICE_FILE:
-the path where a notice for it appears as JSON {kind, action, deadline, time} (the local
-stand-in for a cloud's metadata endpoint, for the replica agent to poll). And TMPDIR, a
-scratch folder of its own (the machine's disk), removed when the instance terminates: vLLM
-keeps its IPC sockets there, and an engine killed by a preemption cannot remove them. The
-"machines" run niced (orchestrator.common.procs.lower_machine_priority), so that they do not starve
-the control plane beside them of CPU.
-
-Ports: before starting, the provider substitutes these placeholders in every command
-argument and env value:
-    {port}        the engine's port: request.port, or a free port picked here
-    {agent_port}  a second free port, for the replica agent
-    {control_port} a third free port, for the KV connector's control endpoint (flush)
-    {instance_id} the instance id
-Instance.endpoint = http://127.0.0.1:{port}, Instance.agent_endpoint = http://127.0.0.1:{agent_port}.
-
-Everything is on disk under `paths.home()/local-cloud/` (a JSON file per instance, zone
-prices, capacity limits), guarded by a file lock, so a restarted daemon, or a CLI process
-next to it (`spotctl chaos`), sees the same cloud. Liveness is checked on every read (pid
-alive, same process start time, not a zombie); a dead process reads as TERMINATED.
-
-Preemptions: `inject_notice()` records a notice (delivered once by `notices()`, by whichever
-provider object asks first) and kills the process group with SIGKILL at the deadline: a
-timer thread in this process, re-armed by every new LocalProvider for pending deadlines,
-and enforced on every read for deadlines that passed while nobody was running.
-
-Capacity: `set_capacity(zone, market, n)` caps the running instances of that market in that
-zone; a launch beyond it raises CapacityError (None = unlimited, the default).
-
-API:
-    LocalProvider(root=None, zones=None, accelerator="CPU", accelerator_count=1,
-                  instance_type="local-cpu", stop_timeout_s=5.0)
-    .offers(accelerator=None, count=None) -> list[Offer]
-    .launch(LaunchRequest) -> Instance           # idempotent on request.client_token
-    .terminate(instance_id)                       # SIGTERM group, SIGKILL after stop_timeout_s
-    .get(instance_id) -> Instance | None          # terminated ones read TERMINATED until pruned
-    .list(tags=None) -> list[Instance]            # includes TERMINATED ones (like EC2)
-    .notices() -> list[Notice]                    # each notice once
-    .inject_notice(instance_id, grace_s, kind=NoticeKind.PREEMPT) -> Notice
-    .preempt_zone(zone, grace_s, market=Market.SPOT) -> list[Notice]
-    .set_capacity(zone, market, n | None) / .capacity(zone, market) -> int | None
-    .set_price(zone, market, price) / .zones() -> dict[str, ZonePrices]
-    .locations() -> list[Location]
-    .log_path(instance_id) -> Path
-    .close()                                      # stops timers; instances keep running
-    configured_locations(root=None) -> list[Location]  # the zones, without a provider object
+The providers' registry loads LocalProvider for `cloud: local` (the demo's, most tests'). One
+region ("local") with zones of their own spot and on-demand prices. `launch()` runs the request's
+command as a detached, niced process group with a scratch TMPDIR of its own, after substituting
+{port}, {agent_port}, {control_port} and {instance_id}; each machine also learns its instance id
+and where its notice file is. State is on disk under `paths.home()/local-cloud/`, behind a file
+lock, so a restarted daemon or a CLI beside it sees the same cloud; a dead process reads as
+TERMINATED. `inject_notice()` / `preempt_zone()` warn, then SIGKILL at the deadline;
+`set_capacity()` caps a zone's market (CapacityError beyond it). docs/local-cloud.md has the
+details, the reasons (why niced, why TMPDIR) and the API.
 """
 
 from __future__ import annotations
@@ -154,6 +114,7 @@ class LocalProvider(Provider):
                               on_this_host=True, notice_watcher=None)
 
     def set_price(self, zone: str, market: Market, price: float) -> None:
+        """Change one zone's price of `market`; ProviderError for an unknown zone."""
         with self._registry.locked():
             zones = self._check_zone(zone)
             old = zones[zone]
@@ -161,7 +122,8 @@ class LocalProvider(Provider):
             self._registry.write_json("zones.json", zones_to_json(zones))
 
     def set_capacity(self, zone: str, market: Market, n: int | None) -> None:
-        """Cap running instances of `market` in `zone` at n (None: unlimited)."""
+        """Cap running instances of `market` in `zone` at n (None: unlimited); ProviderError
+        for an unknown zone."""
         with self._registry.locked():
             self._check_zone(zone)
             caps = self._registry.read_json("capacity.json", {})
@@ -190,6 +152,9 @@ class LocalProvider(Provider):
     # ---- instances ----------------------------------------------------------------
 
     def launch(self, request: LaunchRequest) -> Instance:
+        """Start the request's machine (the same instance again for a client_token seen before).
+        Raises CapacityError when the zone's market is at its cap, ProviderError for a location
+        outside this cloud, an unknown zone, no command or a command that cannot run."""
         market = Market(request.market)
         loc = request.location
         with self._registry.locked():
@@ -282,6 +247,8 @@ class LocalProvider(Provider):
         }
 
     def terminate(self, instance_id: str) -> None:
+        """SIGTERM the machine's process group, SIGKILL what is left after stop_timeout_s
+        (an unknown or terminated instance: nothing to do)."""
         with self._registry.locked():
             record = self._registry.instance(instance_id)
             if record is None or record["status"] == "terminated":
@@ -321,6 +288,7 @@ class LocalProvider(Provider):
         return Instances(out)
 
     def log_path(self, instance_id: str) -> Path:
+        """Where the instance's output goes; ProviderError for an unknown instance."""
         record = self._registry.instance(instance_id)
         if record is None:
             raise ProviderError(f"no local instance {instance_id!r}")
@@ -368,7 +336,8 @@ class LocalProvider(Provider):
     def inject_notice(
         self, instance_id: str, grace_s: float, kind: NoticeKind = NoticeKind.PREEMPT
     ) -> Notice:
-        """Warn the instance; a preempt (or maintenance) notice kills it at now + grace_s."""
+        """Warn the instance; a preempt (or maintenance) notice kills it at now + grace_s (a
+        later notice never postpones an earlier kill). ProviderError unless it is running."""
         kind = NoticeKind(kind)
         now = time.time()
         deadline = now + max(0.0, float(grace_s))
@@ -397,7 +366,8 @@ class LocalProvider(Provider):
         return Notice(instance_id=instance_id, kind=kind, deadline=deadline, source="local", received_at=now)
 
     def preempt_zone(self, zone: str, grace_s: float, market: Market = Market.SPOT) -> builtins.list[Notice]:
-        """A correlated preemption: notices to every running `market` instance in `zone`."""
+        """A correlated preemption: notices to every running `market` instance in `zone`.
+        ProviderError for an unknown zone."""
         self._check_zone(zone)
         victims = [
             i.instance_id

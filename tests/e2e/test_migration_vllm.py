@@ -1,4 +1,4 @@
-"""Issue 6 end to end: a preemption no client can see, with real vLLM CPU replicas.
+"""End to end: a preemption no client can see, with real vLLM CPU replicas.
 
 spotctl/daemon (in this process) -> local cloud -> replicas = agent (shard store) + vLLM CPU
 with SpotKVConnector (k=4, m=2, membership from the daemon) -> the service's load balancer

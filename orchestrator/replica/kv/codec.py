@@ -1,24 +1,15 @@
-"""Systematic Cauchy Reed-Solomon (k data + m parity shards) on ISA-L, at memory speed.
+"""Systematic Cauchy Reed-Solomon on ISA-L: k data + m parity shards, any k give the payload back.
 
-A payload of n bytes is cut into k data shards of S bytes (S = n/k rounded up to 64, the
-last one zero-padded) and m parity shards; any k of the k+m shards give back the payload.
-
-Two layers:
-- the raw kernel, `encode_parity_into` / `recover_into`: pointers into caller-owned buffers,
-  nothing allocated, data shards used in place. This is what runs at 2x memcpy.
-- framed shards, `encode` / `decode`: each shard is a 32-byte header + S bytes. The header
-  carries a CRC-32 of data and header, so a corrupted, truncated or foreign shard is an
-  erasure, never decoded into wrong KV. A stripe id, derived from the data shards' CRCs,
-  ties the shards of one encoding together (a stale shard of an older, different write of
-  the same key is not mixed in; identical writes give identical shards).
-
-Header (little endian): magic "KVEC", crc32 u32, version u8, index u8, k u8, m u8, payload
-length u64, shard length u32, stripe id u32, reserved u32 (0).
-- crc32 is the CRC-32 (zlib's) of the shard's data followed by header bytes 8..31: data
-  first, so the data's CRC, computed once, serves both the stripe id and the frame CRC.
-- stripe id is the CRC-32 of the k data shards' data CRCs (u32 LE each, the last shard
-  zero-padded): a function of the payload and the code alone, with no pass over the payload
-  of its own (CRC is most of a framed encode's time; memcpy is a quarter of it).
+The KV pool (orchestrator.replica.kv.pool) frames every block's payload here; the codec
+benchmark drives the raw kernel. Two layers:
+- the raw kernel, `encode_parity_into` / `recover_into`: pointers into buffers the caller owns,
+  nothing allocated, data shards used in place;
+- framed shards, `encode` / `decode` / `assemble`: each shard a 32-byte header + S data bytes (S =
+  n/k rounded up to 64, the last data shard zero-padded). Header, little endian: magic "KVEC",
+  crc32 u32 (of the data, then header bytes 8..31), version u8 (2), index u8, k u8, m u8, payload
+  length u64, shard length u32, stripe id u32 (CRC-32 of the data shards' CRCs), reserved u32.
+  A corrupt, truncated or foreign shard is an erasure; shards of two stripes are never mixed.
+docs/kv-cache.md has the format's history, the buffer layout and the measured speeds.
 """
 
 from __future__ import annotations
@@ -110,7 +101,8 @@ def _pointers(addresses: Sequence[int]) -> ctypes.Array:
 
 
 class Codec:
-    """One (k, m) code: its matrices and cached decode tables. Thread-safe."""
+    """One (k, m) code: its matrices and cached decode tables. Thread-safe. Raises ValueError
+    unless 1 <= k, 1 <= m and k + m <= 255, and IsalUnavailable without ISA-L."""
 
     def __init__(self, k: int = 4, m: int = 2):
         if not (1 <= k and 1 <= m and k + m <= 255):
@@ -139,7 +131,8 @@ class Codec:
         return -(-per_shard // ALIGN) * ALIGN
 
     def encode_parity_into(self, data: Sequence[Buffer], parity: Sequence[Buffer]) -> None:
-        """Compute the m parity shards of k equal-length data shards into `parity` (in place)."""
+        """Compute the m parity shards of k equal-length data shards into `parity` (in place).
+        Raises ValueError for a wrong number of buffers, unequal lengths or a read-only target."""
         length = _common_length(data, self.k, parity, self.m)
         self._lib.ec_encode_data(
             length, self.k, self.m, self._encode_tables.ctypes.data,
@@ -149,7 +142,9 @@ class Codec:
     def recover_into(
         self, sources: Mapping[int, Buffer], missing: Sequence[int], out: Sequence[Buffer]
     ) -> None:
-        """Rebuild data shards `missing` into `out` from exactly k shards {index: buffer}."""
+        """Rebuild shards `missing` into `out` from exactly k shards {index: buffer}. Raises
+        ValueError for another number of sources, unequal lengths, read-only targets or an
+        index outside 0..k+m-1."""
         indices = tuple(sorted(sources))
         if len(indices) != self.k:
             raise ValueError(f"recover_into needs exactly k={self.k} sources, got {len(indices)}")
@@ -280,7 +275,8 @@ class Codec:
         """The payload from any k valid framed shards (others: corrupt, foreign or None), as
         a new bytearray or written into `into` (see `assemble`).
 
-        Raises TooManyErasures when fewer than k valid shards of one stripe are present.
+        Raises TooManyErasures when fewer than k valid shards of one stripe are present, and
+        what `assemble` raises for a bad `into`.
         """
         return self.assemble([p for p in (self.parse(f) for f in frames if f is not None) if p is not None], into)
 
@@ -296,7 +292,10 @@ class Codec:
     def assemble(self, shards: Sequence[Shard], into: Buffer | None = None) -> bytearray | Buffer:
         """The payload from shards already checked by `parse` (the pool parses on arrival):
         a new bytearray, or written into `into` (a writable buffer of exactly the payload's
-        length, e.g. a row of the connector's staging array) and `into` returned."""
+        length, e.g. a row of the connector's staging array) and `into` returned.
+
+        Raises TooManyErasures with fewer than k shards of one stripe, WrongPayloadLength when
+        `into` has another length than the payload, ValueError when it is read-only."""
         best = self.best_stripe(shards)
         if len(best) < self.k:
             raise TooManyErasures(f"only {len(best)} valid shard(s) of {self.k}+{self.m}; need {self.k} to decode")

@@ -1,35 +1,14 @@
-"""vLLM KV connector that keeps every full KV block erasure-coded on the peers' shard stores.
+"""vLLM KV connector (SpotKVConnector) that keeps every full KV block erasure-coded on the peers' shard stores.
 
-Enable it on a vLLM server (the class is looked up by name in this module):
-
+vLLM loads the class by name from this module when a server runs with
     --kv-transfer-config '{"kv_connector": "SpotKVConnector", "kv_role": "kv_both",
-        "kv_connector_module_path": "orchestrator.replica.kv.connector",
-        "kv_connector_extra_config": {"stores": [...], "secret_file": "...", "k": 4, "m": 2,
-                                      "control_port": 8702}}'
-
-(`kv_connector_extra_config` is documented in orchestrator.replica.kv.settings; its
-`transfer_config(extra)` builds this JSON without importing vLLM.)
-
-What it does:
-- Save: every full block, once its last token's KV is written, is copied off the device
-  in the same step and pushed in the background as k data + m parity shards (one payload
-  per block with all layers, keyed by vLLM's chained prefix block hash + a layout tag).
-- Load: for a new request, the longest stored prefix beyond vLLM's own prefix-cache hit is
-  fetched (any k shards per block), decoded and written into the blocks vLLM allocated;
-  vLLM computes the rest (at most the last partial block plus the last token). A block that
-  turns out unrecoverable is reported as invalid and recomputed: kv_load_failure_policy is
-  forced to "recompute", since a lost shard group is a cache miss, never a failed request.
-- Control: the worker serves POST /v1/flush (wait until every full block is stored: what
-  a preemption notice calls) and GET /v1/stats on `control_port` (orchestrator.replica.kv.control).
-- Membership: the shard stores come from the config and, with `membership_url`, from the
-  daemon, re-polled so the placement follows replicas coming and going; after each change
-  the worker puts back the shards of the groups it knows that their holders lack
-  (orchestrator.replica.kv.repair).
-
-Tested end to end on vLLM 0.32's CPU build (block size 32, TP 1). Written for GPU as well
-(pinned host staging, batched device copies, events) but not run on one; TP > 1 is untested
-(each rank stores its own slice under its own keys; lookups check rank 0's). See
-orchestrator.replica.kv.plan for the scheduler-side limits (single KV cache group, no spec decode).
+        "kv_connector_module_path": "orchestrator.replica.kv.connector", "kv_connector_extra_config": {...}}'
+(built by the daemon's launcher, or by settings.transfer_config; the extra config's fields are in
+orchestrator.replica.kv.settings). vLLM makes one instance for its scheduler (plan.SchedulerPlanner:
+what to load and save each step) and one in each worker (transfer.WorkerTransfers, the saver, the
+repairer, and the control endpoint that serves flush and stats). Saves run in the background; a
+block that cannot be loaded is recomputed, never a failed request. docs/kv-cache.md describes the
+whole path and its limits (one KV cache group, no speculative decoding, tested on CPU with TP 1).
 """
 
 from __future__ import annotations
@@ -115,6 +94,10 @@ def _tp_rank_and_size(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[i
 
 
 class SpotKVConnector(KVConnectorBase_V1):
+    """The connector vLLM constructs per role. Raises UserError for a bad
+    kv_connector_extra_config (or a control port it cannot listen on), ValueError for a model
+    with more than one KV cache group."""
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss, not lost data

@@ -5,9 +5,9 @@
                                 504 {"flushed": false, ...} when the timeout passed first
     GET  /v1/stats              the worker's counters (orchestrator.replica.kv.stats) as JSON
 
-Every call needs `Authorization: Bearer <secret>` (the shard stores' secret); 401 otherwise.
-A stdlib server on a daemon thread: it must live in the worker process, which owns the
-save queue, and must not pull a web framework into vLLM's process.
+The daemon's migrator calls both. Every call needs `Authorization: Bearer <secret>` (the shard
+stores' secret); 401 otherwise. A stdlib server on a daemon thread: it must live in the worker
+process, which owns the save queue, and must not pull a web framework into vLLM's process.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class ControlServer:
+    """Serves the two routes on host:port (0: any free port). Raises OSError when it cannot listen."""
+
     def __init__(self, host: str, port: int, secret: str, *, flush: Callable[[float], bool],
                  pending: Callable[[], int], stats: Callable[[], dict]):
         expected = f"Bearer {secret}".encode()

@@ -1,16 +1,12 @@
 """A small HTTP/1.1 server for bulk bodies, on asyncio's BufferedProtocol (uvloop if present).
 
-Why not uvicorn: an ASGI server hands a request body to the app 64 KiB at a time, one
-event-loop round trip (pause, resume, wake the task) per chunk, then the app joins the
-chunks; measured here, an 8 MiB shard batch arrived at about 0.5 GB/s that way. With
-BufferedProtocol the kernel copies the body straight into its final buffer (the socket is
-read into `memoryview(body)[received:]`), which measured about 3 GB/s. The store needs only
-what is here: Content-Length bodies, keep-alive, a synchronous handler per request.
-
-Not supported, answered with an error and a closed connection: chunked request bodies
-(411), heads over 16 KiB (431). A refused request (`admit`, or a body over `max_body`: 413)
-gets its answer at once and its body is read past without being buffered, so the client
-sees the status rather than a reset connection.
+The agent serves its shard store (orchestrator.replica.kv.store) with it. Why not uvicorn: an
+ASGI server hands a body to the app 64 KiB at a time, one event-loop round trip per chunk (an
+8 MiB shard batch arrived at about 0.5 GB/s); here the socket is read straight into the body's
+final buffer (about 3 GB/s; docs/kv-cache.md). It does what the store needs: Content-Length
+bodies, keep-alive, a synchronous handler per request. Chunked bodies get 411, heads over 16 KiB
+431; a refused request (`admit`, or a body over `max_body`: 413) is answered at once and its
+body read past unbuffered, so the client sees the status rather than a reset connection.
 """
 
 from __future__ import annotations
@@ -212,6 +208,7 @@ class _Connection(asyncio.BufferedProtocol):
 
 async def start_server(handler: Handler, host: str, port: int, max_body: int,
                        admit: Admit | None = None) -> asyncio.Server:
-    """Listen on host:port (0 = any free port); the caller closes the returned server."""
+    """Listen on host:port (0 = any free port); the caller closes the returned server.
+    Raises OSError when the address cannot be bound."""
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: _Connection(handler, admit, max_body), host, port)

@@ -1,14 +1,12 @@
 """ctypes binding to ISA-L's erasure-code and CRC kernels (the one hand-written binding).
 
-Why not a Python wrapper: pyeclib, zfec and friends allocate and copy on every call and
-cannot write into caller buffers; measured on this class of machine they reach 0.1-0.4x of
-memcpy, while ISA-L's `ec_encode_data` into reused buffers runs at about 2x memcpy
-(docs/kv-cache.md has the figures). So we call the kernel directly, with
-numpy arrays as the preallocated buffers and raw pointers as arguments. ctypes releases
-the GIL for the duration of each call, so encoding does not block other threads.
+orchestrator.replica.kv.codec calls it. Why not a Python wrapper: pyeclib, zfec and the like
+allocate and copy on every call and reach 0.1-0.4x of memcpy, while ISA-L's `ec_encode_data`
+writing into reused buffers runs at up to about 2x memcpy (docs/kv-cache.md has the figures).
+ctypes releases the GIL for each call, so encoding does not block other threads.
 
 The library comes from the `pyeclib` wheel, which bundles ISA-L as
-pyeclib.libs/libisal-pyeclib.so.2 (we never import pyeclib itself), or from the system
+pyeclib.libs/libisal-pyeclib.so.2 (pyeclib itself is never imported), or from the system
 (Debian's libisal2).
 """
 
@@ -43,7 +41,8 @@ def _candidates() -> list[str]:
 
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL:
-    """The ISA-L library with the prototypes we use declared (cached: loaded once)."""
+    """The ISA-L library with the prototypes we use declared (cached: loaded once). Raises
+    IsalUnavailable, naming what was tried and how to install it, when none loads."""
     errors = []
     for path in _candidates():
         try:
@@ -75,7 +74,8 @@ def load() -> ctypes.CDLL:
 def crc32_function() -> Callable[[int, int, int], int]:
     """crc(value, address, length): zlib-compatible CRC-32 of memory at `address`.
 
-    ISA-L's folded-CLMUL one (~12 GB/s here, 3x zlib) when the library has it."""
+    ISA-L's folded-CLMUL one (~12 GB/s here, 3x zlib) when the library has it. Raises
+    IsalUnavailable as `load` does."""
     lib = load()
     if hasattr(lib, "crc32_gzip_refl"):
         return lib.crc32_gzip_refl

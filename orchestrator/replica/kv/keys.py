@@ -1,10 +1,11 @@
 """Pool keys of KV blocks: vLLM's chained prefix block hash, scoped by the KV layout.
 
-vLLM hashes each full block from (parent hash, token ids, extra keys such as LoRA or cache
-salt), so a block's hash names the whole prefix up to its end, and every replica of the same
-model computes the same hash for the same tokens (sha256, seeded by PYTHONHASHSEED or a
-fixed default). The layout tag keeps replicas whose KV bytes would differ apart: another
-model, dtype, block size, head layout or tensor-parallel slice never reads our blocks.
+The connector's scheduler (lookups, saves) names blocks with these keys. vLLM hashes each full
+block from (parent hash, token ids, extra keys such as LoRA or cache salt), so a block's hash
+names the whole prefix up to its end, and every replica of the same model computes the same hash
+for the same tokens (sha256, seeded by PYTHONHASHSEED or a fixed default). The layout tag keeps
+apart replicas whose KV bytes would differ: another model, dtype, block size, head layout or
+tensor-parallel slice never reads our blocks.
 """
 
 from __future__ import annotations

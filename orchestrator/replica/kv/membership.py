@@ -1,8 +1,9 @@
 """The shard stores the connector codes over: static ones, its own, and the daemon's list.
 
-Replicas come and go, so with a `membership_url` the list is polled (GET, bearer = the
-shard-store secret, body {"stores": [...]}) and the pool re-placed when it changes. A
-failed poll keeps the last known list: stores that vanished only cost cache misses.
+The connector makes one Membership and hands its changes to the pool and the repairer. Replicas
+come and go, so with a `membership_url` the list is polled (GET, bearer = the shard-store secret,
+body {"stores": [...]}) and the pool re-placed when it changes. A failed poll keeps the last
+known list: stores that vanished only cost cache misses.
 """
 
 from __future__ import annotations

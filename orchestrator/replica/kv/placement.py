@@ -1,25 +1,14 @@
 """Which stores hold the k+m shards of a group: pure, deterministic, failure-domain aware.
 
-Any replica computes the same holders from the group key and the current membership, so no
-directory of shard locations is needed. The rules, in order:
-
-1. No zone holds more than m shards of one group, so losing a whole zone leaves >= k shards.
-   Feasible exactly when (number of zones) * m >= k + m. When it is not, `place` raises
-   PlacementError with strict=True; with strict=False (best effort) it fills the least loaded
-   zones beyond m and the group survives fewer zone losses (documented, never silent:
-   `zone_bound_feasible` tells the caller, who logs it).
-2. Distinct stores before any store takes a second shard (only when stores < k+m).
-3. Spread: among the allowed stores, prefer the cloud, then the region, then the zone that
-   holds the fewest shards of this group so far.
-4. Ties broken by rendezvous (highest-random-weight) hashing of (key, node_id).
-
-Why few groups move on a membership change: a store X that joins changes a group only if
-X is picked for it. Proof: each greedy step picks the minimum of a key that depends only
-on the picks so far; if X never is the minimum, removing X changes no step. The same holds
-for a store that leaves. So the fraction of groups that move equals the share of groups
-that the joining/leaving store holds, (k+m)/N on a balanced topology (HRW makes every
-store equally likely within its domain) and below 2(k+m)/N unless one domain is much
-thinner than the others (a lone store in its own cloud holds a shard of every group).
+Every replica computes the same holders from the group key and the membership (the pool keeps a
+Placement per membership), so no directory of shard locations is needed. The rules, in order:
+no zone holds more than m shards of a group (feasible when zones x m >= k + m; otherwise strict
+placement raises PlacementError, and best effort fills the least loaded zones beyond m, which
+`zone_bound_feasible` tells the caller, who logs it); distinct stores before any takes a second
+shard; the fewest shards per cloud, then region, then zone; ties by rendezvous hashing of
+(key, node_id). A store that joins or leaves moves only the groups it holds a shard of: (k+m)/N
+of them on a balanced topology, below 2(k+m)/N unless one domain is much thinner than the others
+(docs/kv-cache.md has the argument).
 """
 
 from __future__ import annotations
@@ -85,7 +74,9 @@ def _hrw_weight(key: bytes, node_id: bytes) -> int:
 
 class Placement:
     """`place` for one membership, with the per-membership work done once (the pool keeps
-    one; placing a key then costs N hashes and a (k+m) x N scan of small ints)."""
+    one; placing a key then costs N hashes and a (k+m) x N scan of small ints). Raises
+    PlacementError without stores, for k or m below 1, or (strict) when the zones cannot
+    keep <= m shards each."""
 
     def __init__(self, nodes: Iterable[StoreNode], k: int, m: int, *, strict: bool = True):
         self.members = tuple(sorted(set(nodes), key=lambda n: n.node_id))
@@ -143,5 +134,6 @@ def _indices(labels: list) -> list[int]:
 
 
 def place(key: str, nodes: Iterable[StoreNode], k: int, m: int, *, strict: bool = True) -> list[StoreNode]:
-    """The holders of the group's shards: element i holds shard i (0..k-1 data, then parity)."""
+    """The holders of the group's shards: element i holds shard i (0..k-1 data, then parity).
+    Raises PlacementError as Placement does."""
     return Placement(nodes, k, m, strict=strict).holders(key)

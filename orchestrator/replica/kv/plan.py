@@ -1,21 +1,12 @@
 """Scheduler side of the connector: which blocks to load, which to save, step by step.
 
-Runs in vLLM's scheduler (one instance per engine). It keeps, per running request, its
-block ids and how many of its blocks have been handed to the worker for saving, and turns
-each SchedulerOutput into a StepPlan for the workers:
-
-- save: a block is handed over in the step whose forward pass writes its last token's KV
-  (num_computed_tokens + scheduled >= block end) once vLLM knows its hash. Blocks that were
-  hits (vLLM's local prefix cache or loaded from the pool) are not saved again.
-- load: `matched_tokens` asks the pool (one batched has_many, on a helper thread) for the
-  longest stored prefix past vLLM's local hit, always leaving the last prompt token to
-  compute; after vLLM allocated blocks for it, the plan tells the worker which block ids
-  receive which keys.
-
-Limits: one full-attention KV cache group (dense decoders; no hybrid/sliding-window
-models), no speculative decoding (rejected draft KV would be saved). Under async scheduling
-(GPU default) a request that finishes right after filling a block may leave that last block
-unsaved, costing one more recomputed block on a continuation; CPU schedules synchronously.
+Runs in vLLM's scheduler process (one SchedulerPlanner per engine, made by the connector). Per
+running request it keeps the block ids and how many blocks were handed over for saving, and
+turns each SchedulerOutput into a StepPlan for the workers: a block is saved in the step whose
+forward pass writes its last token's KV (not again if it was a hit), and a new request loads the
+longest stored prefix past vLLM's own hit, looked up on a helper thread so that a slow store
+delays only that request. Limits (one full-attention KV cache group, no speculative decoding,
+one more recomputed block under async scheduling): docs/kv-cache.md.
 """
 
 from __future__ import annotations

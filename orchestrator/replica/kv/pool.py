@@ -1,36 +1,15 @@
-"""An erasure-coded KV pool over the shard stores of the peer replicas.
+"""An erasure-coded KV pool over the shard stores of the peer replicas: the one API the connector uses.
 
-This is the one API the vLLM connector (orchestrator/replica/kv/connector.py) uses:
+    pool = ErasureCodedPool(nodes, secret, k=4, m=2, timeout_s=2.0)  # nodes: placement.StoreNode
+    pool.put_many([(key, payload), ...])  # encode, place, push; InsufficientShardsStored if < k
+    pool.get_many(keys, into=None)        # decoded from any k valid shards; None: unrecoverable
+    pool.has_many(keys)                   # >= k shards present (no shard data moves)
+    pool.update_nodes(nodes)              # the membership changed: a new placement
+    pool.repair_many(keys) -> Repaired    # put back what the current holders lack
+    pool.close()                          # (also a context manager)
 
-    from orchestrator.replica.kv.placement import StoreNode, parse_nodes
-    from orchestrator.replica.kv.pool import ErasureCodedPool
-
-    pool = ErasureCodedPool(nodes: list[StoreNode], secret: str, k: int = 4, m: int = 2,
-                            timeout_s: float = 2.0)
-    pool.put(key: str, payload: bytes | memoryview) -> None
-        encode into k+m shards, place them (placement.Placement), push all in parallel;
-        raises InsufficientShardsStored only if fewer than k shards could be stored.
-    pool.put_many(items: list[tuple[str, bytes]]) -> None
-        the same for many keys, one HTTP request per store; raises if any key got < k.
-    pool.get(key: str) -> bytearray | None
-        fetches in parallel, decodes as soon as any k valid shards arrived; None when the
-        key cannot be recovered (absent, too many stores down, or too many corrupt shards).
-        A bytearray (bytes-like, compares equal to bytes; writable, so torch.frombuffer /
-        np.frombuffer take it without a copy or a warning).
-    pool.get_many(keys: list[str], into: list[buffer] | None = None) -> list[bytearray | None]
-        with `into`, key i is decoded straight into into[i] (no payload copy), returned for it
-    pool.has(key: str) -> bool          cheap: >= k shards present (no data transferred)
-    pool.has_many(keys: list[str]) -> list[bool]
-    pool.update_nodes(nodes: list[StoreNode]) -> None   membership changed (new placement)
-    pool.repair_many(keys: list[str]) -> Repaired(shards: list[int | None], bytes_moved: int)
-        put back the shards the current holders lack or hold of another encoding (per key:
-        how many; None: unrecoverable), and the shard bytes read and written
-    pool.close() -> None                 (also a context manager)
-
-    StoreNode(node_id: str, endpoint: str, cloud: str, region: str, zone: str)  frozen
-    parse_nodes(list[dict]) -> list[StoreNode]    from JSON config; UserError on bad input
-
-The pool is thread-safe: the connector may call it from background threads.
+Thread-safe: the connector's scheduler lookups, saver, loads and repairer call it from their own
+threads. docs/kv-cache.md has how it batches, waits and reads across membership changes.
 """
 
 from __future__ import annotations
@@ -70,7 +49,9 @@ def shard_key(key: str, index: int) -> str:
 
 
 class ErasureCodedPool:
-    """Erasure-coded put/get of opaque payloads over the shard stores of `nodes`."""
+    """Erasure-coded put/get of opaque payloads over the shard stores of `nodes` (ValueError
+    without any; PlacementError only with strict_placement on a topology that cannot keep
+    <= m shards per zone)."""
 
     def __init__(self, nodes: list[StoreNode], secret: str, k: int = 4, m: int = 2, timeout_s: float = 2.0,
                  *, strict_placement: bool = False):
@@ -90,7 +71,8 @@ class ErasureCodedPool:
     def update_nodes(self, nodes: list[StoreNode]) -> None:
         """Switch to a new membership. Writes go to the new holders; shards already written
         stay where they are, so reads and `has` also ask the holders under the previous
-        PLACEMENT_HISTORY memberships (those still members), in the same round of requests."""
+        PLACEMENT_HISTORY memberships (those still members), in the same round of requests.
+        Raises ValueError for an empty list (PlacementError as the constructor)."""
         if not nodes:
             raise ValueError("the KV pool needs at least one shard store")
         placement = Placement(nodes, self.k, self.m, strict=self._strict)
@@ -116,10 +98,12 @@ class ErasureCodedPool:
     # -- writes --------------------------------------------------------------------------
 
     def put(self, key: str, payload: bytes | memoryview) -> None:
+        """put_many of one key."""
         self.put_many([(key, payload)])
 
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
-        """Encode and store many payloads, one request per store (or per ~32 MiB of it)."""
+        """Encode and store many payloads, one request per store (or per ~32 MiB of it).
+        Raises InsufficientShardsStored when a key got fewer than k shards stored."""
         # One encoding per key: two (with two stripe ids) racing to the same shard keys
         # could leave fewer than k shards of either.
         items = list({key: (key, payload) for key, payload in items}.values())
@@ -149,6 +133,7 @@ class ErasureCodedPool:
     # -- reads ---------------------------------------------------------------------------
 
     def get(self, key: str) -> bytearray | None:
+        """The payload (a writable bytearray), or None when it cannot be recovered."""
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str], into: Sequence[Buffer] | None = None) -> list[bytearray | Buffer | None]:
@@ -184,6 +169,7 @@ class ErasureCodedPool:
         return parsed
 
     def has(self, key: str) -> bool:
+        """Whether >= k shards of the key are present (cheap: no shard data moves)."""
         return self.has_many([key])[0]
 
     def has_many(self, keys: Sequence[str]) -> list[bool]:

@@ -1,27 +1,13 @@
 """Shard repair: after the shard stores change, put back the shards of known groups that
 their holders lack.
 
-A store that leaves (its replica preempted or scaled down) takes one shard of many groups
-with it. Those groups still decode, from k to k+m-1 shards, but one more loss in another
-zone could take them below k: repair restores the margin the code was chosen for. A store
-that joins takes over some groups' places under the new placement; repair fills those
-places too, which is what moves data when membership changes (the placement itself only
-says where shards belong).
-
-Who repairs what: each replica's connector worker repairs the keys it stored or loaded
-recently (orchestrator.replica.kv.saver.KnownKeys), newest first, in batches
-(ErasureCodedPool.repair_many), on a background thread a few seconds after each change, so a
-burst of changes costs one pass. Two replicas that know the same key both repair it; the
-shards they write are identical, so that costs bandwidth, never consistency.
-
-A pass moves at most `max_bytes_per_s` of shard bytes (read and written) on average, so
-that after a zone loss it does not take the replica's network and cores from serving. The
-limit trades how soon the margin is back against serving. At the default 200 MB/s, a
-replica that knows 4 GB of payload in k=4, m=2 groups, after a zone took 2 shards of each,
-reads 4 GB (4 shards a group) and writes 2 GB: 30 s.
-
-Limits: a key that no live replica stored or loaded recently is not repaired (its saver is
-gone); a store's own LRU may already have evicted a group before its repair.
+A store that leaves takes one shard of many groups with it (one more loss elsewhere could take
+them below k); a store that joins takes over places nobody has filled yet. Each connector worker
+runs one Repairer: a few seconds after a membership change (one pass for a burst of them) it
+walks the keys its replica stored or loaded recently (saver.KnownKeys), newest first, through
+ErasureCodedPool.repair_many, moving at most `max_bytes_per_s` of shard bytes (read + written;
+the connector's `repair_mb_per_s`, default 200) so that repair leaves the network and cores to
+serving. docs/kv-cache.md has how a group is repaired, the rate limit worked out, and the limits.
 """
 
 from __future__ import annotations
@@ -41,7 +27,8 @@ class Repairer:
                  settle_s: float = 5.0, pause_s: float = 0.01, max_bytes_per_s: float | None = None,
                  clock=time.monotonic, wait=None):
         """`clock` and `wait` (seconds -> None) time the rate limit; wait defaults to the stop
-        event's, so close() interrupts a pass that is waiting."""
+        event's, so close() interrupts a pass that is waiting. Raises ValueError for a
+        max_bytes_per_s that is not positive (None: no limit)."""
         if max_bytes_per_s is not None and max_bytes_per_s <= 0:
             raise ValueError(f"max_bytes_per_s must be positive or None, got {max_bytes_per_s}")
         self._pool, self._known, self._stats = pool, known, stats

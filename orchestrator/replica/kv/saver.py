@@ -1,13 +1,14 @@
 """Pushes staged KV blocks to the erasure-coded pool from a background thread.
 
-The forward pass only copies finished blocks into host memory (orchestrator.replica.kv.staging) and
-hands them here; encoding and the network happen on this thread, so serving never waits
-on a store. The queue is bounded by bytes: when stores are too slow, new blocks are dropped
-(counted), because a missing block is only a cache miss, never wrong output.
+The connector's worker makes one BlockSaver. The forward pass only copies finished blocks into
+host memory (orchestrator.replica.kv.staging) and submits them here; encoding and the network
+happen on this thread, so serving never waits on a store. The queue is bounded by bytes: when
+the stores are too slow, new blocks are dropped (counted), because a missing block is only a
+cache miss, never wrong output.
 
-`flush()` is what a preemption notice calls: it returns once every block handed over
-before the call is stored (or failed), which is the moment the replica may be killed
-without losing more than its last partial block per request.
+`flush()` is what a preemption notice calls (through orchestrator.replica.kv.control): it returns
+once every block handed over before the call is stored (or failed), the moment the replica may
+be killed losing no more than its last partial block per request.
 """
 
 from __future__ import annotations

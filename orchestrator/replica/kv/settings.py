@@ -1,25 +1,14 @@
-"""The connector's `kv_connector_extra_config`, validated into one value.
+"""The connector's `kv_connector_extra_config`, validated into one ConnectorSettings value.
 
-    {
-      "stores": [{"node_id", "endpoint", "cloud", "region", "zone"}, ...],  shard stores, and/or
-      "membership_url": "http://daemon/v1/services/NAME/stores",  polled: {"stores": [...]}
-      "node_id", "self_endpoint", "cloud", "region", "zone":  this replica's own store (joins
-                                      the membership; enough alone for a single replica)
-      "membership_poll_s": 5.0,
-      "secret": "...",  or  "secret_file": "/path"   the service's shard-store secret
-      "k": 4, "m": 2,                 data and parity shards per block
-      "timeout_s": 2.0,               per store call
-      "control_port": 8702,           POST /flush, GET /stats (omit: no control server;
-                                      0: any free port, logged); TP rank r listens on port + r
-      "control_host": "127.0.0.1",
-      "model_id": "...",              names the model in pool keys (default: from vLLM's config)
-      "max_pending_mb": 256,          save queue bound; beyond it new blocks are dropped
-      "push_batch_blocks": 64,        blocks per put_many
-      "repair_mb_per_s": 200          shard bytes a repair pass may move per second (read +
-                                      written); 0: no limit
-    }
+    {"stores": [{"node_id", "endpoint", "cloud", "region", "zone"}, ...], "membership_url": URL,
+     "node_id", "self_endpoint", "cloud", "region", "zone" (this replica's own store),
+     "membership_poll_s": 5.0, "secret" | "secret_file", "k": 4, "m": 2, "timeout_s": 2.0,
+     "control_port", "control_host": "127.0.0.1", "model_id", "max_pending_mb": 256,
+     "push_batch_blocks": 64, "repair_mb_per_s": 200}
 
-Bad input raises UserError naming the field, so a replica fails at start with one line.
+The connector parses it when vLLM constructs it; every field is explained in docs/kv-cache.md.
+`transfer_config` wraps an extra config into the value of vLLM's --kv-transfer-config (scripts and
+tests; the daemon's launcher, which cannot import this package, builds the same JSON itself).
 """
 
 from __future__ import annotations
@@ -119,6 +108,9 @@ def _repair_limit(extra: Mapping[str, Any]) -> float | None:
 
 
 def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
+    """The settings in `extra`. Raises UserError naming the first bad field (unknown, mistyped,
+    out of range, an unreadable secret_file, no shard stores at all), so a replica fails at
+    start with one line."""
     extra = dict(extra or {})
     unknown = sorted(set(extra) - _FIELDS)
     if unknown:

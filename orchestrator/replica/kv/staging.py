@@ -1,19 +1,13 @@
 """Copies whole KV blocks between vLLM's paged cache and host memory, all layers at once.
 
-A block's payload is its page in every layer, in the layer order of the KV cache group:
-one payload per block, so one erasure-coded group and one pool key per block hash.
-vLLM (0.32) hands connectors per-layer views with blocks at dim 0 ([B, H, N, C], whatever
-the inner layout); that is the only layout fact relied on here. When the attention kernel
-splits a scheduler block into `ratio` kernel blocks, block b is kernel blocks
-b*ratio .. b*ratio+ratio-1 (vLLM's virtual block splitting).
-
-Device side: one gather per layer and one stacked device->host copy per step (saves), one
-host->device copy and one indexed write per layer (loads). Loads decode straight into the
-host rows that are copied to the device (`host_rows`, `scatter_rows`): no payload copy.
-On GPU the host buffers are pinned and the save copy is asynchronous: the saver thread
-waits on a recorded event before reading it (a fresh pinned buffer per step: a reused ring
-would be cheaper on GPU). CPU tests cover the CPU path only; the CUDA branches are untested
-here.
+The connector's worker (orchestrator.replica.kv.transfer) makes one PagedLayout over vLLM's
+per-layer KV tensors. A block's payload is its page in every layer, in the layer order of the
+KV cache group: one payload, one erasure-coded group and one pool key per block hash. The only
+layout fact relied on is vLLM's (0.32): per-layer views with blocks at dim 0, a scheduler block
+possibly split into `ratio` kernel blocks. Saves: one gather per layer and one stacked
+device->host copy per step; loads decode straight into `host_rows`, and `scatter_rows` writes
+them with one host->device copy and one indexed write per layer. On GPU the host buffers are
+pinned and the save copy asynchronous; that branch has not run on a GPU (docs/kv-cache.md).
 """
 
 from __future__ import annotations
@@ -27,6 +21,9 @@ from orchestrator.replica.kv.saver import StagedBlocks
 
 
 class PagedLayout:
+    """The block layout of vLLM's KV tensors. Raises ValueError for no layers, layers of
+    different shapes or dtypes, or a block count at dim 0 that is no multiple of num_blocks."""
+
     def __init__(self, layers: Sequence[torch.Tensor], num_blocks: int):
         if not layers:
             raise ValueError("no KV cache layers to stage")

@@ -1,4 +1,6 @@
-"""Counters of one connector worker, served by GET /stats (thread-safe, JSON-ready)."""
+"""Counters of one connector worker (thread-safe, JSON-ready), served by the control endpoint's
+GET /v1/stats: what was saved, loaded, dropped and repaired, and the last requests' cache records.
+"""
 
 from __future__ import annotations
 

@@ -1,25 +1,15 @@
 """The shard store each replica's agent runs: an authenticated, memory-bounded HTTP cache.
 
-Server: `StoreHandler`, served by orchestrator/replica/kv/httpserver.py (see there why not
-uvicorn/FastAPI: bodies land in their final buffer with one copy). The routes are fixed:
+Server: `StoreHandler`, served by orchestrator.replica.kv.httpserver (bodies land in their final
+buffer). Routes: PUT/GET/HEAD/DELETE /v1/shards/{key}; POST /v1/batch/{put,get,head,has,delete}
+(bodies: orchestrator.replica.kv.wire; `head` returns each value's first wire.HEAD_BYTES and, like
+`has`, leaves its LRU place and TTL); GET /metrics (Prometheus); GET /healthz. Every request needs
+`Authorization: Bearer <secret>` (compared in constant time), else 401. Memory is bounded by
+`max_bytes` (value + key bytes) with LRU eviction; an item expires `ttl_s` after its last put or get.
 
-    PUT    /v1/shards/{key}     body = shard                        204 | 413
-    GET    /v1/shards/{key}     200 shard | 404
-    HEAD   /v1/shards/{key}     200 | 404
-    DELETE /v1/shards/{key}     204 | 404
-    POST   /v1/batch/{put,get,head,has,delete}   bodies: orchestrator/replica/kv/wire.py
-                                        (head: each value's first wire.HEAD_BYTES; like
-                                        `has`, it leaves the value's LRU place and TTL)
-    GET    /metrics             Prometheus text
-    GET    /healthz             "ok"
-
-Every request needs `Authorization: Bearer <secret>` (the service's secret; compared in
-constant time), else 401. Memory is bounded by `max_bytes` (value + key bytes) with LRU
-eviction; an item also expires `ttl_s` seconds after its last put or get.
-
-Client: `StoreClient` (one pooled httpx connection pool per store) and `gather_until`,
-which runs calls against several stores in parallel and returns as soon as enough of them
-answered. A refused connection (a killed store) fails at once and is not retried.
+Client: `StoreClient` (pooled keep-alive connections per store), used by the pool, and
+`gather_until`, which runs calls against several stores in parallel and returns as soon as enough
+answered. docs/kv-cache.md has the status codes and the measured throughput.
 """
 
 from __future__ import annotations
@@ -63,7 +53,7 @@ class _Stats:
 
 class ShardMemory:
     """An LRU map of key -> bytes bounded by bytes, with an idle TTL. Not thread-safe:
-    the server touches it only from its event loop."""
+    the server touches it only from its event loop. ValueError unless both bounds are positive."""
 
     def __init__(self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
         if max_bytes <= 0 or ttl_s <= 0:
@@ -178,7 +168,8 @@ def _text(status: int, message: str) -> Response:
 
 
 class StoreHandler:
-    """The requests of one shard store (runs on the server's event loop, synchronously)."""
+    """The requests of one shard store (runs on the server's event loop, synchronously).
+    ValueError for an empty secret."""
 
     def __init__(self, secret: str, max_bytes: int = 1 << 30, ttl_s: float = 3600.0):
         if not secret:
@@ -254,7 +245,11 @@ _RETRYABLE = (httpx.TimeoutException, httpx.RemoteProtocolError, httpx.ReadError
 
 
 class StoreClient:
-    """Calls to one shard store over a pooled keep-alive connection pool. Thread-safe."""
+    """Calls to one shard store over a pooled keep-alive connection pool. Thread-safe.
+
+    Every call raises StoreUnavailable when the store cannot be reached (a timeout or a broken
+    connection is retried once, a refused connection is not), rejects the secret (401),
+    answers 400, 405 or 5xx, or sends a malformed batch body."""
 
     def __init__(self, endpoint: str, secret: str, timeout_s: float = 2.0, attempts: int = 2,
                  max_connections: int = 8):

@@ -1,10 +1,10 @@
 """Worker side of the connector: loads into and saves out of vLLM's paged KV cache.
 
-Runs in each vLLM worker process. Loads are synchronous (before the forward pass that
-needs them): fetch any k shards per block from the pool, decode, scatter. A block that
-cannot be recovered is reported to vLLM as invalid, and vLLM recomputes from it on.
-Saves copy this step's finished blocks off the device and hand them to the BlockSaver
-thread, so the forward pass never waits on a store.
+Runs in each vLLM worker process (the connector makes one WorkerTransfers). Loads are
+synchronous, before the forward pass that needs them: fetch any k shards per block from the pool,
+decode into host rows, scatter into the blocks. Blocks from the first unrecoverable one on are
+reported to vLLM as invalid, and vLLM recomputes them. Saves copy the step's finished blocks off
+the device and hand them to the BlockSaver thread, so the forward pass never waits on a store.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class WorkerTransfers:
         self._invalid: set[int] = set()
 
     def register(self, kv_caches: dict[str, Any]) -> None:
+        """Take vLLM's KV tensors. Raises ValueError for a missing layer, or what PagedLayout raises."""
         missing = [name for name in self._layer_names if name not in kv_caches]
         if missing:
             raise ValueError(f"vLLM registered no KV cache for layer {missing[0]}")

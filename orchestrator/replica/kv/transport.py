@@ -1,14 +1,12 @@
 """An httpx transport for bulk bytes: keep-alive HTTP/1.1 over the stdlib's http.client.
 
-Why: httpx's default transport parses responses with h11 in pure Python, 64 KiB at a
-time, copying each chunk three times; on a 2-core machine that made the shard client,
-not the network, the bottleneck (about 0.7 GB/s per connection). http.client reads a
-Content-Length body with one C-level read straight into the result and sends a body with
-one sendall, which is what shards need. The httpx API above it (timeouts, exceptions,
-Response) stays the same, so callers do not know.
-
-Plain http:// only (the shard stores talk on a private network with a bearer secret);
-https:// endpoints fall back to httpx's own transport in StoreClient.
+StoreClient uses it for http:// shard stores. Why: httpx's default transport parses responses
+with h11 in pure Python, 64 KiB at a time, copying each chunk three times; on a 2-core machine
+that made the shard client, not the network, the bottleneck (about 0.7 GB/s per connection).
+http.client reads a Content-Length body with one C-level read and sends a body with one sendall.
+The httpx API above it (timeouts, exceptions, Response) stays the same, so callers do not know.
+Plain http:// only (the shard stores talk on a private network with a bearer secret); https://
+endpoints keep httpx's own transport.
 """
 
 from __future__ import annotations
@@ -29,6 +27,9 @@ class BulkTransport(httpx.BaseTransport):
         self._lock = threading.Lock()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
+        """One exchange. Raises httpx's exceptions, as its own transport would:
+        UnsupportedProtocol for another scheme, ConnectError / ConnectTimeout, ReadTimeout,
+        RemoteProtocolError."""
         if request.url.scheme != "http":
             raise httpx.UnsupportedProtocol(f"BulkTransport speaks http:// only, not {request.url.scheme}")
         address = (request.url.host, request.url.port or 80)

@@ -8,6 +8,9 @@ multipart would cost a copy and a parse per shard. Little endian throughout.
     values  (get/head response):       repeated  u32 value length (0xFFFFFFFF: absent), value
                                        (head: only the first HEAD_BYTES of each value)
     flags   (put/has/delete response): one byte per key, 1 = stored / present / deleted
+
+encode_keys and encode_items raise WireError for a key that is empty or over MAX_KEY_BYTES; the
+decode_* functions for a truncated body, an empty or non-UTF-8 key, or a count that does not match.
 """
 
 from __future__ import annotations
