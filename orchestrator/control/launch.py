@@ -126,6 +126,7 @@ class ReplicaLauncher:
             "zone": location.zone,
             "self_endpoint": f"http://{_url_host(runtime.bind_host)}:{{agent_port}}",
             "control_port": "{control_port}",
+            "control_host": runtime.bind_host,  # the daemon flushes it on a notice: reachable from there
         }
         if self.daemon_url:
             # The shard stores of a service change as replicas come and go: the connector

@@ -134,6 +134,7 @@ def run(options: AgentOptions, duties: Sequence[Duty] = ()) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per metadata poll is noise
     options = parse_args(argv)
     try:
         run(options, notice_duties(options))

@@ -1,4 +1,4 @@
-"""Replica entry point (replica side, stdlib only): start the agent, then become vLLM.
+"""Replica entry point (replica side: stdlib and httpx): start the agent, then become vLLM.
 
     python -m orchestrator.replica.main [--agent-port P --secret-file F] [--watch CLOUD --api URL]
         [--cloud CLOUD --daemon URL --bootstrap-token T --home DIR] -- <vLLM server arguments>
@@ -13,13 +13,10 @@ machine's end takes both down; then this process execs vLLM's OpenAI server.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from importlib import metadata
 
 SECRET_ENV = "SPOT_ORCHESTRATOR_KV_SECRET"
@@ -64,25 +61,25 @@ def machine_identity(cloud: str, metadata_url: str | None) -> tuple[str, str]:
 
 def redeem(daemon: str, token: str, instance_id: str, patience_s: float = REDEEM_PATIENCE_S) -> dict:
     """The daemon's answer to the bootstrap token: {service, replica_id, kv_secret, env}."""
-    body = json.dumps({"instance_id": instance_id, "version": metadata.version("spot-orchestrator")}).encode()
+    import httpx
+
+    body = {"instance_id": instance_id, "version": metadata.version("spot-orchestrator")}
     deadline = time.monotonic() + patience_s
-    while True:
-        request = urllib.request.Request(f"{daemon.rstrip('/')}/v1/bootstrap/redeem", data=body, method="POST",
-                                         headers={"Authorization": f"Bootstrap {token}",
-                                                  "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=15) as reply:
-                return json.loads(reply.read())
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:300]
-            if err.code != 409 and err.code < 500:  # refused for good (used, expired, not ours)
-                raise BootError(f"the daemon refused the bootstrap token: HTTP {err.code} {detail}") from None
-            why = f"HTTP {err.code} {detail}"
-        except (urllib.error.URLError, OSError) as err:
-            why = str(err)
-        if time.monotonic() > deadline:
-            raise BootError(f"could not redeem the bootstrap token at {daemon}: {why}")
-        time.sleep(3)
+    with httpx.Client(timeout=15.0, headers={"Authorization": f"Bootstrap {token}"}) as client:
+        while True:
+            try:
+                reply = client.post(f"{daemon.rstrip('/')}/v1/bootstrap/redeem", json=body)
+                if reply.status_code == 200:
+                    return reply.json()
+                if reply.status_code != 409 and reply.status_code < 500:  # refused for good (used, not ours)
+                    raise BootError(f"the daemon refused the bootstrap token: HTTP {reply.status_code} "
+                                    f"{reply.text[:300]}")
+                why = f"HTTP {reply.status_code} {reply.text[:300]}"
+            except (httpx.HTTPError, ValueError) as err:
+                why = str(err)
+            if time.monotonic() > deadline:
+                raise BootError(f"could not redeem the bootstrap token at {daemon}: {why}")
+            time.sleep(3)
 
 
 def fill(args: list[str], values: dict[str, str]) -> list[str]:

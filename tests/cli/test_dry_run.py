@@ -1,0 +1,61 @@
+"""`spotctl up --dry-run [--json]`: the launches a spec would get, offline, with no daemon."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import REPO, spotctl
+
+TEMPLATES = REPO / "templates"
+
+
+def _plan(*args: str) -> list[dict]:
+    return json.loads(spotctl("up", *args, "--dry-run", "--json").stdout)
+
+
+@pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
+def test_each_cloud_template_plans_instances_that_carry_its_accelerator(cloud, state_home):
+    from orchestrator.spec import load_spec
+
+    spec = load_spec(TEMPLATES / f"{cloud}.yaml")
+    wanted = {(name.lower(), count) for name, count in spec.accelerators_wanted()}
+    plan = _plan(str(TEMPLATES / f"{cloud}.yaml"))
+    assert len(plan) >= spec.min_replicas
+    for launch in plan:
+        assert launch["cloud"] == cloud and launch["instance_type"] and launch["zone"]
+        assert (launch["accelerator"].lower(), launch["accelerator_count"]) in wanted
+        assert launch["market"] in ("spot", "on_demand") and launch["price_per_hour"] > 0
+        assert launch["price_source"] in ("snapshot", "catalog") and launch["boot_script_bytes"] > 500
+    assert not (state_home / "daemon.json").exists(), "a dry run must not start the daemon"
+
+
+def test_a_region_only_and_a_cloud_only_spec_get_zones_of_their_own(tmp_path, state_home):
+    region_only = tmp_path / "r.yaml"
+    region_only.write_text("name: r\nservice: {replicas: 2}\nresources: {infra: aws/us-west-2, accelerators: L4:1, "
+                           "use_spot: true}\nengine: {model: m}\n")
+    plan = _plan(str(region_only))
+    assert {p["region"] for p in plan} == {"us-west-2"} and all(p["zone"] for p in plan)
+    assert {p["instance_type"].split(".")[0] for p in plan} == {"g6"}
+    cloud_only = tmp_path / "c.yaml"
+    cloud_only.write_text("name: c\nservice: {replicas: 1}\nresources: {cloud: gcp, accelerators: A100:1}\n"
+                          "engine: {model: m}\n")
+    (a100,) = _plan(str(cloud_only))
+    # On demand (no use_spot), the cheapest a2-highgpu-1g anywhere, priced host + GPU (the host
+    # alone is about $0.74/h; GCP's cheapest regions list the whole machine at about $2.4/h).
+    assert a100["instance_type"] == "a2-highgpu-1g" and a100["market"] == "on_demand"
+    assert a100["price_per_hour"] > 2.0
+
+
+def test_a_dry_run_names_what_is_wrong_in_one_line(tmp_path, state_home):
+    nothing = tmp_path / "n.yaml"
+    nothing.write_text("name: n\nresources: {cloud: aws, region: us-east-1, accelerators: TPU-v9:1}\n"
+                       "engine: {model: m}\n")
+    out = spotctl("up", str(nothing), "--dry-run", check=False)
+    assert out.returncode != 0 and out.stderr.strip().count("\n") == 0
+    assert "no offer for TPU-v9:1" in out.stderr
+    unknown = tmp_path / "u.yaml"
+    unknown.write_text("name: u\nresources: {cloud: awz}\nengine: {model: m}\n")
+    out = spotctl("up", str(unknown), "--dry-run", check=False)
+    assert "unknown cloud 'awz'; did you mean 'aws'?" in out.stderr

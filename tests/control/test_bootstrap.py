@@ -1,0 +1,84 @@
+"""A VM's secrets by one-time token (never in its user-data): redeemed once, only for the
+instance the launch recorded; the daemon's own wheel for a booting VM; the boot script."""
+
+from __future__ import annotations
+
+import zipfile
+
+import httpx
+import pytest
+
+from orchestrator.control.bootstrap import BootstrapError, BootstrapTokens
+from orchestrator.control.store import Store
+from orchestrator.control.wheel import version
+from tests.fakes.launching import launch_request
+from tests.helpers import running_daemon
+from providers.aws import AWSProvider
+from providers.base import Location, Market
+
+SPEC = "name: boot\nengine: {model: m}\nenvs: {HF_TOKEN: hf-secret, MODE: fast}\n"
+
+
+def _replica(store: Store, instance_id: str | None):
+    row = store.add_replica("boot", cloud="aws", region="us-east-1", zone="us-east-1a", market="spot")
+    if instance_id:
+        row = store.update_replica(row.replica_id, row.version, instance_id=instance_id)
+    return row
+
+
+def test_a_token_is_redeemed_once_by_its_own_instance(tmp_path):
+    store = Store(f"sqlite:///{tmp_path / 's.db'}")
+    store.create_or_update_service("boot", "{}")
+    tokens = BootstrapTokens(store)
+    early, late = _replica(store, None), _replica(store, "i-1")
+    with pytest.raises(BootstrapError) as not_yet:
+        tokens.redeem(tokens.issue("boot", early.replica_id), "i-0")
+    assert not_yet.value.status == 409  # the launch is not recorded yet: the VM retries
+    token = tokens.issue("boot", late.replica_id)
+    with pytest.raises(BootstrapError) as other:
+        tokens.redeem(token, "i-2")
+    assert other.value.status == 403
+    assert tokens.redeem(token, "i-1").replica_id == late.replica_id
+    with pytest.raises(BootstrapError, match="already used"):
+        tokens.redeem(token, "i-1")
+    with pytest.raises(BootstrapError, match="unknown"):
+        tokens.redeem("made-up", "i-1")
+
+
+def test_the_api_gives_the_secret_and_envs_once_and_the_wheel_before(state_home, monkeypatch):
+    with running_daemon(monkeypatch, probe_interval_s=None) as (daemon, client):
+        client.post("/v1/services", json={"yaml": SPEC}).raise_for_status()
+        row = _replica(daemon.store, "i-42")
+        token = daemon.bootstrap.issue("boot", row.replica_id)
+        boot = {"Authorization": f"Bootstrap {token}"}
+        anonymous = httpx.Client(base_url=daemon.url, timeout=300)
+        wheel = anonymous.get("/v1/bootstrap/wheel", headers=boot)
+        assert wheel.status_code == 200
+        path = state_home / "got.whl"
+        path.write_bytes(wheel.content)
+        names = zipfile.ZipFile(path).namelist()
+        assert "orchestrator/replica/main.py" in names and any(n.endswith(".dist-info/METADATA") for n in names)
+        assert f"Version: {version()}" in zipfile.ZipFile(path).read(
+            next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        assert anonymous.get("/v1/bootstrap/wheel").status_code == 401
+        stale = anonymous.post("/v1/bootstrap/redeem", json={"instance_id": "i-42", "version": "0.0.1"}, headers=boot)
+        assert stale.status_code == 409 and "is not the daemon's" in stale.json()["detail"]
+        got = anonymous.post("/v1/bootstrap/redeem", json={"instance_id": "i-42", "version": version()}, headers=boot)
+        assert got.status_code == 200, got.text
+        body = got.json()
+        assert body["env"] == {"HF_TOKEN": "hf-secret", "MODE": "fast"} and len(body["kv_secret"]) >= 32
+        again = anonymous.post("/v1/bootstrap/redeem", json={"instance_id": "i-42", "version": version()},
+                               headers=boot)
+        assert again.status_code == 401
+        assert anonymous.get("/v1/bootstrap/wheel", headers=boot).status_code == 401  # redeemed: no more
+
+
+def test_the_boot_script_names_the_token_and_never_a_secret():
+    request = launch_request(AWSProvider(["us-east-1"]), "r1", Location("aws", "us-east-1", "us-east-1a"),
+                             Market.SPOT, kv=True)
+    script = request.boot_script
+    assert "BOOT_TOKEN=test-bootstrap-token" in script and "--bootstrap-token \"$BOOT_TOKEN\"" in script
+    assert "uv pip install" in script
+    assert "[replica,gpu]" in script and "SPOT_ORCHESTRATOR_KV_SECRET" not in script
+    assert "--host '{host}'" in script and "--port 8000" in script and "secret_file" in script
+    assert request.ports == (8000, 8471, 8472) and request.boot_script.startswith("#!/bin/bash")
