@@ -30,6 +30,7 @@ from orchestrator.lb.proxy import Upstream
 from orchestrator.fleet.autoscaler import AutoscalerConfig, RequestRateAutoscaler
 from orchestrator.common.errors import UserError
 from orchestrator.fleet.lifecycle import ReplicaState, is_alive
+from orchestrator.control.clouds import Clouds, Observed
 from orchestrator.control.launch import ReplicaLauncher
 from orchestrator.spec import ServiceSpec, spec_from_json
 from orchestrator.control.store import ReplicaRow, ServiceStatus, Store
@@ -42,7 +43,6 @@ from policies.base import (
 )
 from providers.base import (
     TAG_SERVICE,
-    Instances,
     InstanceStatus,
     LaunchRequest,
     Location,
@@ -73,7 +73,7 @@ class Controller:
         self,
         service: str,
         store: Store,
-        provider: Provider,
+        provider: Provider | Clouds,
         launcher: ReplicaLauncher,
         *,
         policy: PlacementPolicy | None = None,
@@ -85,14 +85,15 @@ class Controller:
     ):
         self.service = service
         self.store = store
-        self.provider = provider
+        # One provider per cloud the service uses (a service may span clouds).
+        self.clouds = Clouds.of(provider)
         self.launcher = launcher
         self.clock = clock
         self.on_upstreams = on_upstreams
         # The daemon's migrator: a notice from the cloud's control plane must flush and move
         # the replica's streams like one from its agent, not only mark it DRAINING.
         self.on_notice = on_notice or self.handle_notice
-        self._offers = offers or (lambda: Offers(self.provider.offers()))
+        self._offers = offers or (lambda: Offers(self.clouds.offers()))
         self.reconciles = 0
         self._lock = threading.RLock()  # jobs, API calls and notices may arrive concurrently
         self._http = httpx.Client(timeout=15.0)
@@ -192,14 +193,20 @@ class Controller:
         finally:
             self._pass.release()
 
-    def regions(self) -> list[str]:
-        """The regions this service's instances may be in: its candidates' and its replicas'."""
-        known = {r.region for r in self.store.list_replicas(self.service, include_terminal=True) if r.region}
+    def regions(self) -> dict[str, list[str]]:
+        """Per cloud, the regions this service's instances may be in: its candidates' and its
+        replicas' (only those are listed: another region may not even be enabled)."""
+        known = {(r.cloud, r.region) for r in self.store.list_replicas(self.service, include_terminal=True)
+                 if r.region}
         try:
             spec = self.spec()
+            known |= {(loc.cloud, loc.region) for loc in spec.candidate_locations(self._known_locations(spec))}
         except KeyError:
-            return sorted(known)
-        return sorted(known | {loc.region for loc in spec.candidate_locations(self._known_locations(spec))})
+            pass
+        out: dict[str, list[str]] = {}
+        for cloud, region in sorted(known):
+            out.setdefault(cloud, []).append(region)
+        return out
 
     def _known_locations(self, spec: ServiceSpec, offers: Offers | None = None) -> list[Location]:
         # Where the service may run: the spec's patterns over what the cloud offers for its
@@ -207,20 +214,18 @@ class Controller:
         offers = Offers(self._offers()) if offers is None else offers
         return sorted({o.location for o in offers if decisions.fits(o, spec)})
 
-    def _observe_instances(self) -> Instances | None:
-        try:
-            listed = self.provider.list({TAG_SERVICE: self.service}, regions=self.regions() or None)
-        except ProviderError as err:
-            log.warning("service %s: listing instances failed: %s", self.service, err)
-            return None
-        return Instances(listed, getattr(listed, "unknown_regions", ()))
+    def _observe_instances(self) -> Observed | None:
+        observed = self.clouds.list({TAG_SERVICE: self.service}, self.regions())
+        if observed is None:
+            log.warning("service %s: no cloud could list its instances", self.service)
+        return observed
 
-    def _observe_deaths(self, instances: Instances) -> None:
+    def _observe_deaths(self, instances: Observed) -> None:
         for r in self.store.list_replicas(self.service):
             state = r.replica_state
             if not r.instance_id or state in (S.PENDING, S.PROVISIONING, S.SHUTTING_DOWN):
                 continue
-            if r.region in instances.unknown_regions:
+            if instances.unknown_at(r.cloud, r.region):
                 continue  # its region could not be read this pass: unknown, not gone
             inst = instances.by_id().get(r.instance_id)
             if inst is not None and inst.status is not InstanceStatus.TERMINATED:
@@ -231,7 +236,7 @@ class Controller:
             else:
                 self._apply_outcome(r, outcome, "the on-demand instance exited on its own")
 
-    def _observe_endpoints(self, instances: Instances) -> None:
+    def _observe_endpoints(self, instances: Observed) -> None:
         """A VM's address is known only once it runs (Azure's not even at launch): take the
         endpoints the provider reports now, so probes and the load balancer can reach it."""
         for r in self.store.list_replicas(self.service):
@@ -245,11 +250,7 @@ class Controller:
                 self.store.update_replica(r.replica_id, r.version, **fresh)
 
     def _provider_notices(self) -> list[Notice]:
-        try:
-            return self.provider.notices()
-        except ProviderError as err:
-            log.warning("service %s: reading notices failed: %s", self.service, err)
-            return []
+        return self.clouds.notices()
 
     def handle_notice(self, notice: Notice) -> ReplicaRow | None:
         """Mark the replica DRAINING (idempotent) and record the notice; the migration
@@ -355,7 +356,7 @@ class Controller:
         row = self._set_state(row, S.PROVISIONING, reason, instance_type=offer.instance_type,
                               price_per_hour=offer.price_per_hour)
         try:
-            request = self.launcher.request(spec, row, offer, self.provider.runtime())
+            request = self.launcher.request(spec, row, offer, self.clouds.provider(location.cloud).runtime())
         except UserError as err:  # e.g. the demo model could not be built: a failed launch, said once
             self._apply_outcome(row, decisions.launch_failed(ProviderError(str(err))), f"launch failed: {err}")
             return None
@@ -363,7 +364,7 @@ class Controller:
 
     def _carry_out_launch(self, row: ReplicaRow, request: LaunchRequest, reason: str) -> None:
         try:
-            inst = self.provider.launch(request)
+            inst = self.clouds.provider(request.location.cloud).launch(request)
         except ProviderError as err:
             # The replica row stays failed; the next reconcile asks the policy again.
             outcome = decisions.launch_failed(err)
@@ -385,7 +386,7 @@ class Controller:
         with self._lock:
             current = self._current(row)
             if current.replica_state is not S.PROVISIONING:  # removed (or `down`) while launching
-                self._terminate(inst.instance_id)
+                self._terminate(request.location.cloud, inst.instance_id)
                 self.store.update_replica(current.replica_id, current.version, instance_id=inst.instance_id)
                 return
             self._apply_outcome(
@@ -410,9 +411,9 @@ class Controller:
         state = decisions.removed(r.replica_state).state
         self._set_state(r, state, reason)
         if state is S.SHUTTING_DOWN and r.instance_id:
-            self._terminate(r.instance_id)
+            self._terminate(r.cloud, r.instance_id)
 
-    def _terminate(self, instance_id: str) -> None:
+    def _terminate(self, cloud: str, instance_id: str) -> None:
         """Terminate in the background, once at a time per instance (every pass asks again
         until the instance is gone)."""
         if instance_id in self._terminating:
@@ -421,7 +422,7 @@ class Controller:
 
         def job() -> None:
             try:
-                self.provider.terminate(instance_id)
+                self.clouds.provider(cloud).terminate(instance_id)
             except ProviderError as err:
                 log.warning("terminate %s failed (will retry): %s", instance_id, err)
             except Exception:
@@ -434,34 +435,34 @@ class Controller:
         else:
             self._cloud_pool.submit(job)
 
-    def _advance_shutdowns(self, instances: Instances) -> None:
+    def _advance_shutdowns(self, instances: Observed) -> None:
         for r in self.store.list_replicas(self.service):
-            if r.replica_state is not S.SHUTTING_DOWN or r.region in instances.unknown_regions:
+            if r.replica_state is not S.SHUTTING_DOWN or instances.unknown_at(r.cloud, r.region):
                 continue
             inst = instances.by_id().get(r.instance_id or "")
             if inst is None or inst.status is InstanceStatus.TERMINATED:
                 self._set_state(r, S.TERMINATED, "instance gone")
             else:
-                self._terminate(inst.instance_id)
+                self._terminate(r.cloud, inst.instance_id)
 
     def _shut_down_all(self) -> None:
         """`down`: terminate everything; the service row goes when every instance is gone."""
-        instances = self._observe_instances() or Instances()
+        instances = self._observe_instances() or Observed()
         with self._lock:
             for r in self.store.list_replicas(self.service):
                 if r.replica_state is not S.SHUTTING_DOWN:
                     self._begin_shutdown(r, "service is shutting down")
         for inst in instances:
             if inst.status is not InstanceStatus.TERMINATED:
-                self._terminate(inst.instance_id)
-        after = self._observe_instances() or Instances()
+                self._terminate(inst.location.cloud, inst.instance_id)
+        after = self._observe_instances() or Observed()
         with self._lock:
             self._advance_shutdowns(after)
             self.publish_upstreams()
 
     def finished_shutting_down(self) -> bool:
         instances = self._observe_instances()
-        if instances is None or instances.unknown_regions:
+        if instances is None or instances.unknown:
             return False
         live = [i for i in instances if i.status is not InstanceStatus.TERMINATED]
         return not live and not self.store.list_replicas(self.service)
@@ -554,7 +555,7 @@ class Controller:
             if now - (r.launched_at or r.created_at) > probe.initial_delay_seconds:
                 self._set_state(r, S.FAILED_INITIAL_DELAY, f"not ready after {probe.initial_delay_seconds:.0f}s")
                 if r.instance_id:
-                    self._terminate(r.instance_id)
+                    self._terminate(r.cloud, r.instance_id)
             return
         failures = r.consecutive_probe_failures + 1
         if state is S.READY:
@@ -568,7 +569,7 @@ class Controller:
         if now - (r.last_probe_ok_at or r.ready_at or now) > timeout:
             self._set_state(r, S.FAILED_PROBING, f"probes failing for over {timeout:.0f}s")
             if r.instance_id:
-                self._terminate(r.instance_id)
+                self._terminate(r.cloud, r.instance_id)
         else:
             self.store.update_replica(r.replica_id, r.version, consecutive_probe_failures=failures)
 

@@ -38,6 +38,7 @@ from orchestrator.lb.proxy import LoadBalancer
 from orchestrator.control.pricebook import PriceBook, refresh_prices
 from orchestrator.control.migration import Migrator
 from orchestrator.control.boot import BootScripts
+from orchestrator.control.clouds import Clouds
 from orchestrator.control.bootstrap import BootstrapTokens
 from orchestrator.control.launch import VM_PORTS, ReplicaLauncher
 from orchestrator.control.wheel import own_wheel
@@ -125,15 +126,13 @@ class Daemon:
                 self.providers[cloud] = self._provider_factory(cloud)
             return self.providers[cloud]
 
-    def spec_cloud(self, spec: ServiceSpec) -> str:
-        """The cloud a service runs on (the registry's default when its spec names none);
+    def spec_clouds(self, spec: ServiceSpec) -> list[str]:
+        """The clouds a service runs on (the registry's default when its spec names none);
         raises UserError for an unknown cloud."""
         clouds = spec.clouds() or [registry.DEFAULT_CLOUD]
         for cloud in clouds:
             registry.check(cloud)
-        if len(clouds) > 1:
-            raise UserError("resources: replicas across several clouds need one provider each; not supported yet")
-        return clouds[0]
+        return clouds
 
     def replica_url(self) -> str:
         return self.public_url or self.url
@@ -157,15 +156,16 @@ class Daemon:
             address = socket.gethostbyname(host)
         except OSError as err:
             raise UserError(f"the daemon's URL {self.replica_url()}: cannot resolve {host}: {err}") from None
-        regions = spec.regions() or sorted({loc.region for loc in self.provider(cloud).locations(None)})
+        regions = spec.regions(cloud) or sorted({loc.region for loc in self.provider(cloud).locations(None)})
         return ServiceNetwork(spec.name, tuple(VM_PORTS.values()), (f"{address}/32",), tuple(regions))
 
     def apply_spec(self, spec: ServiceSpec) -> dict:
         """Create or update a service; returns its summary. Idempotent. Raises UserError for a
         spec the daemon cannot serve (unknown cloud or policy, unreachable daemon, network)."""
         with self._lock:
-            cloud = self.spec_cloud(spec)
-            self.check_reachable(cloud)
+            clouds = self.spec_clouds(spec)
+            for cloud in clouds:
+                self.check_reachable(cloud)
             try:
                 self.policy_factory(spec.service.placement_policy)  # refuse before anything is stored
             except UnknownPolicyError as err:
@@ -175,7 +175,9 @@ class Daemon:
                 raise UserError(f"service {spec.name!r} is shutting down; wait for `spotctl down` to finish")
             port = (existing.lb_port if existing else None) or spec.service.ports or free_port(self.host)
             endpoint = f"http://{self.host}:{port}"
-            if not self.provider(cloud).runtime().on_this_host:
+            for cloud in clouds:
+                if self.provider(cloud).runtime().on_this_host:
+                    continue
                 own_wheel()  # what its VMs will install: built now (once), not inside a reconcile
                 try:
                     self.provider(cloud).prepare_network(self.network_for(spec, cloud))
@@ -186,14 +188,15 @@ class Daemon:
             if spec.name in self.controllers:  # an update: new spec, same fleet
                 self.controllers[spec.name].close()
                 del self.controllers[spec.name]
-            self._start_service(spec.name, cloud)
+            self._start_service(spec.name)
             self.store.record_event("service_up", service=spec.name, message=f"endpoint {endpoint}")
         threading.Thread(target=self.reconcile_service, args=(spec.name,), daemon=True).start()
         return {"name": spec.name, "endpoint": endpoint}
 
-    def _start_service(self, name: str, cloud: str) -> None:
+    def _start_service(self, name: str) -> None:
         row = self.store.get_service(name)
         spec = spec_from_json(row.spec_json)
+        clouds = self.spec_clouds(spec)
         lb = self.lbs.get(name)
         if lb is None:
             lb = LoadBalancer(policy=spec.service.load_balancing_policy)
@@ -202,18 +205,25 @@ class Daemon:
         controller = Controller(
             name,
             self.store,
-            self.provider(cloud),
+            Clouds({cloud: self.provider(cloud) for cloud in clouds}),
             self.launcher or ReplicaLauncher(
                 daemon_url=self.replica_url() or None,
                 boot=BootScripts.for_daemon(self.replica_url(), self.bootstrap) if self.replica_url() else None,
             ),
-            offers=None if self.provider(cloud).cheap_offers else self._book_offers(spec, cloud),
+            offers=self._offers_of(spec, clouds),
             policy=self.policy_factory(spec.service.placement_policy),
             on_upstreams=lb.set_replicas,
             on_notice=self.migrator.on_notice,
         )
         self.controllers[name] = controller
         controller.publish_upstreams()
+
+    def _offers_of(self, spec: ServiceSpec, clouds: list[str]) -> Callable[[], Offers]:
+        """Every cloud's quotes for the service: asked of the provider itself when that is cheap
+        (the local cloud), else from the price book."""
+        sources = [self.provider(c).offers if self.provider(c).cheap_offers else self._book_offers(spec, c)
+                   for c in clouds]
+        return lambda: Offers(o for source in sources for o in source())
 
     def _book_offers(self, spec: ServiceSpec, cloud: str) -> Callable[[], Offers]:
         """A real cloud's quotes come from the price book the prices job keeps fresh (asking
@@ -242,7 +252,7 @@ class Daemon:
         """After a restart: a controller and a load balancer for every stored service."""
         for row in self.store.list_services():
             try:
-                self._start_service(row.name, self.spec_cloud(spec_from_json(row.spec_json)))
+                self._start_service(row.name)
             except Exception as err:  # one broken service must not keep the others down
                 log.error("service %s could not be restored: %s", row.name, err)
 
@@ -274,13 +284,14 @@ class Daemon:
         row = self.store.get_service(name)
         if row is None:
             return
-        try:
-            cloud = self.spec_cloud(spec_from_json(row.spec_json))
-            if not self.provider(cloud).runtime().on_this_host:
-                spec = spec_from_json(row.spec_json)
-                self.provider(cloud).remove_network(name, self.network_for(spec, cloud).regions)
-        except (ProviderError, UserError) as err:
-            log.warning("service %s: removing its network failed (remove it by hand): %s", name, err)
+        spec = spec_from_json(row.spec_json)
+        for cloud in self.spec_clouds(spec):
+            try:
+                if not self.provider(cloud).runtime().on_this_host:
+                    self.provider(cloud).remove_network(name, self.network_for(spec, cloud).regions)
+            except (ProviderError, UserError) as err:
+                log.warning("service %s: removing its network on %s failed (remove it by hand): %s", name, cloud,
+                            err)
 
     # ---- jobs -------------------------------------------------------------------------
 

@@ -19,9 +19,8 @@ from orchestrator.control.launch import ReplicaLauncher
 from orchestrator.control.store import ReplicaRow
 from orchestrator.control.wheel import DISTRIBUTION, version
 from orchestrator.fleet import decisions
-from orchestrator.fleet.lifecycle import ReplicaState
 from orchestrator.spec import ServiceSpec
-from policies.base import PlacementPolicy, UnknownPolicyError, load_policy
+from policies.base import EventKind, MarketEvent, PlacementPolicy, UnknownPolicyError, load_policy
 from providers import registry
 from providers.base import Offer, Offers, Provider
 
@@ -93,7 +92,10 @@ def plan(spec: ServiceSpec, *, provider_class: Callable[[str], type[Provider]] =
                 continue
             replica = f"{spec.name}-{len(planned) + 1}"
             planned.append(_planned(spec, replica, offer, launch.reason, launcher, provider_class, now))
-            views.append(decisions.replica_view(replica, offer.location, offer.market, ReplicaState.PROVISIONING, now))
+            # As the controller would see it once the cloud granted the launch.
+            views.append(decisions.replica_view(replica, offer.location, offer.market,
+                                                decisions.LAUNCH_GRANTED.state, now))
+            policy.observe(MarketEvent(EventKind.LAUNCHED, offer.location, offer.market, now, replica))
     raise UserError(f"service.placement_policy: {policy.name} still asked for replicas after {MAX_ROUNDS} rounds")
 
 

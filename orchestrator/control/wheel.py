@@ -29,10 +29,20 @@ def version() -> str:
     return metadata.version(DISTRIBUTION)
 
 
-@functools.lru_cache(maxsize=1)
 def own_wheel() -> Path:
     """The path of this daemon's wheel; raises UserError when it cannot be built."""
-    out = paths.home() / "wheels"
+    path = _own_wheel(paths.home())
+    return path if path.exists() else _rebuilt(paths.home())
+
+
+def _rebuilt(home: Path) -> Path:
+    _own_wheel.cache_clear()
+    return _own_wheel(home)
+
+
+@functools.lru_cache(maxsize=4)
+def _own_wheel(home: Path) -> Path:
+    out = home / "wheels"
     shutil.rmtree(out, ignore_errors=True)  # a wheel of an earlier daemon is not this one
     out.mkdir(parents=True)
     source = paths.REPO_ROOT

@@ -175,10 +175,11 @@ class ServiceSpec:
         alts = self.resources.any_of or (top,)
         return [(a.cloud or top.cloud, a.region or top.region, a.zone or top.zone) for a in alts]
 
-    def regions(self) -> list[str]:
-        """The regions the spec names, when every alternative names one; [] = not limited."""
-        filters = self._location_filters()
-        if any(region is None for _, region, _ in filters):
+    def regions(self, cloud: str | None = None) -> list[str]:
+        """The regions the spec names (on `cloud`, when given), when every such alternative
+        names one; [] = not limited."""
+        filters = [f for f in self._location_filters() if cloud is None or f[0] in (None, cloud)]
+        if not filters or any(region is None for _, region, _ in filters):
             return []
         return list(dict.fromkeys(region for _, region, _ in filters))
 

@@ -59,3 +59,33 @@ def test_a_dry_run_names_what_is_wrong_in_one_line(tmp_path, state_home):
     unknown.write_text("name: u\nresources: {cloud: awz}\nengine: {model: m}\n")
     out = spotctl("up", str(unknown), "--dry-run", check=False)
     assert "unknown cloud 'awz'; did you mean 'aws'?" in out.stderr
+
+
+def test_one_service_is_planned_across_clouds_when_the_cheapest_markets_are_on_different_clouds(tmp_path,
+                                                                                                state_home):
+    """templates/multi-cloud.yaml over AWS, GCP and Azure: with AWS's cheapest L4 zone priced below
+    GCP's (a catalog the test writes), the spot replicas spread over both clouds' cheapest zones."""
+    import os
+    import shutil
+
+    from providers.catalog import loader
+
+    sky = tmp_path / "sky" / ".sky" / "catalogs" / "v8"
+    for cloud in ("aws", "gcp", "azure"):
+        (sky / cloud).mkdir(parents=True)
+        shutil.copy(loader.SHIPPED_DIR / cloud / "vms.csv", sky / cloud / "vms.csv")
+    aws = sky / "aws" / "vms.csv"
+    lines = aws.read_text().splitlines()
+    cheap = [i for i, line in enumerate(lines) if line.startswith("g6.xlarge,") and ",us-east-1," in line][:1]
+    assert cheap, "the snapshot lists g6.xlarge in us-east-1"
+    for i in cheap:  # one AWS zone cheaper than GCP's 0.28 L4 spot, the others dearer than it
+        fields = lines[i].split(",")
+        fields[-4] = "0.1500"
+        lines[i] = ",".join(fields)
+    aws.write_text("\n".join(lines) + "\n")
+    env = {**os.environ, "SPOT_ORCHESTRATOR_SKY_DIR": str(tmp_path / "sky")}
+    out = spotctl("up", str(TEMPLATES / "multi-cloud.yaml"), "--dry-run", "--json", env=env)
+    plan = json.loads(out.stdout)
+    spot = [p for p in plan if p["market"] == "spot"]
+    assert {p["cloud"] for p in spot} == {"aws", "gcp"}, plan
+    assert min(spot, key=lambda p: p["price_per_hour"])["cloud"] == "aws"

@@ -19,6 +19,7 @@ from orchestrator.fleet.lifecycle import ReplicaState
 from orchestrator.control.launch import ReplicaLauncher
 from orchestrator.sim.replay import SimConfig, Simulation, TraceGroup, ZoneTrace
 from orchestrator.spec import load_spec
+from orchestrator.control.clouds import Observed
 from orchestrator.control.store import Store
 from policies.base import (
     Decision,
@@ -34,7 +35,6 @@ from providers.base import (
     TAG_SERVICE,
     CapacityError,
     Instance,
-    Instances,
     InstanceStatus,
     LaunchRequest,
     Location,
@@ -116,6 +116,8 @@ def trace_group() -> TraceGroup:
 
 class TraceProvider(Provider):
     """An in-memory cloud whose spot capacity per zone is the trace's at the clock's tick."""
+
+    name = "aws"  # the trace's zones are AWS ones
 
     def __init__(self, clock):
         self.clock = clock
@@ -199,7 +201,7 @@ class ControllerSide:
             tick = int(t // GAP)
             if inst.market is Market.SPOT and CAPACITY[inst.location][tick] == 0:
                 inst.status = InstanceStatus.TERMINATED
-        self.ctl._observe_deaths(Instances(self.provider.list({TAG_SERVICE: "svc"})))
+        self.ctl._observe_deaths(Observed(tuple(self.provider.list({TAG_SERVICE: "svc"}))))
 
 
 class SimSide:
