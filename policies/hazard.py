@@ -138,3 +138,27 @@ class PriceTrend:
         if slope <= 0.0:
             return price
         return price + slope * math.exp2(-max(0.0, now - at) / self.half_life) * horizon_hours
+
+
+class NoticeTrust:
+    """Per cloud: do its preemption notices come early enough to replace a replica in time?
+
+    Each loss of a serving replica is evidence: in time (warned at least a cold start ahead)
+    or late (no notice, or a shorter one). Late evidence decays with `half_life`; a cloud is
+    trusted once a notice came in time and no late one is recent.
+    """
+
+    def __init__(self, half_life: float = 24 * 3600.0):
+        self.half_life = half_life
+        self._in_time: dict[str, int] = {}
+        self._late: dict[str, Decaying] = {}
+
+    def record(self, cloud: str, in_time: bool, now: float) -> None:
+        if in_time:
+            self._in_time[cloud] = self._in_time.get(cloud, 0) + 1
+        else:
+            self._late.setdefault(cloud, Decaying(self.half_life)).add(now)
+
+    def trusted(self, cloud: str, now: float) -> bool:
+        late = self._late.get(cloud)
+        return self._in_time.get(cloud, 0) > 0 and (late is None or late.at(now) < 0.5)
