@@ -1,18 +1,18 @@
 """hazard_hedge: the project's default policy, a hedge that uses what SpotHedge throws away.
 
 1. A notice counts as the loss it announces: the replacement (and an on-demand cover where
-   READY spot falls below the target) is launched when it arrives.
+   READY spot falls short of the target) is launched when it arrives.
 2. The spec's overprovision (SkyServe's num_overprovision) is held only while a cloud's
    notices cannot replace a replica in time; once a notice has come a cold start ahead of
-   its preemption, and none too late since, the extra replicas go.
-3. On-demand covers only what spot cannot: the target minus READY spot, and extra slots no
-   spot replica is on its way to fill. Starting covers count; one loss brings at most one
-   replacement and one cover.
-4. Placement: live price (plus its rising trend) x (1 + decaying hazard of zone, region,
-   cloud), spread over zones; capacity errors back off per zone, a notice or preemption
-   blocks its zone a while, correlated losses (a storm) keep spot out of the region and
-   cover its healthy replicas until it has been calm. docs/policies.md has the reasoning
-   and the numbers.
+   its preemption, and none too late since, the extra replicas go. While hedging, the mix
+   of spot and on-demand is the cheapest that survives losing any spot replica, or every
+   replica in a zone whose capacity came back lately (such capacity goes again soonest).
+3. On-demand covers only what spot cannot; a cover is launched for a shortfall no starting
+   spot replica meets and kept until READY spot meets it. One loss brings at most one
+   replacement and one cover. Placement: empty zones first, then one pile; live price
+   (plus its rising trend) x (1 + decaying hazard of zone, region, cloud); refusals back
+   off per zone, a notice or preemption blocks its zone a while. docs/policies.md has the
+   reasoning and the numbers.
 """
 
 from __future__ import annotations
@@ -36,43 +36,42 @@ from policies.hazard import HazardBook, NoticeTrust, PriceTrend, StormDetector
 from providers.base import Location, Market
 
 _EVENT_WEIGHT = {EventKind.NOTICE: 1.0, EventKind.PREEMPTED: 1.0, EventKind.CAPACITY_ERROR: 0.3}
+_UNBOUNDED = 1 << 30
 
 
 class HazardHedgePolicy(PlacementPolicy):
     name = "hazard_hedge"
-    description = "Default: hazard-aware spot spread, acts on notices, overprovision only while notices are late"
+    description = "Default: acts on notices, hedges only while notices come late, on-demand only where spot cannot"
 
     def __init__(
         self,
         half_life: float = 3 * 3600.0,
         hazard_weight: float = 0.5,
-        spread_penalty: float = 1.0,
         retry_base: float = 60.0,
-        retry_max: float = 1800.0,
+        retry_max: float = 300.0,
         preempt_block: float = 600.0,
+        young_for: float = 2700.0,
         storm_window: float = 600.0,
         storm_threshold: int = 2,
         calm: float = 1800.0,
-        cover_at_risk: bool = True,
+        storm_guard: bool = False,
         cold_start_guess: float = 120.0,
         trend_horizon_hours: float = 1.0,
         trust_half_life: float = 24 * 3600.0,
-        young_for: float = 3600.0,
     ):
-        self.young_for = young_for
-        self._trouble_at: dict[Location, float] = {}
         self.hazard = HazardBook(half_life)
-        self.storm = StormDetector(storm_window, storm_threshold, calm, cloud_threshold=2 * storm_threshold)
+        self.storm = StormDetector(storm_window, storm_threshold, calm)
         self.trend = PriceTrend()
         self.trust = NoticeTrust(trust_half_life)
         self.hazard_weight = hazard_weight
-        self.spread_penalty = spread_penalty
         self.retry_base, self.retry_max, self.preempt_block = retry_base, retry_max, preempt_block
-        self.cover_at_risk = cover_at_risk
+        self.young_for = young_for
+        self.storm_guard = storm_guard  # keep spot out of stormy domains and cover their replicas
         self.trend_horizon_hours = trend_horizon_hours
         self.cold_start = cold_start_guess  # learned: launch -> READY, smoothed
-        self._fails: dict[Location, int] = {}
+        self._fails: dict[Location, int] = {}  # refusals since the zone last granted
         self._blocked_until: dict[Location, float] = {}
+        self._trouble_at: dict[Location, float] = {}  # last refusal, notice or preemption
         self._serving: set[str] = set()  # replicas that reached READY
         self._warned: dict[str, tuple[float, bool]] = {}  # notice time, serving then
         self._ever_ready = False  # before the first READY replica nothing serves to cover
@@ -191,34 +190,34 @@ class HazardHedgePolicy(PlacementPolicy):
         elif len(spot) > goal:
             for r in self._surplus(spot, goal, spot_prices, now):
                 decision.removals.append(Removal(r.replica_id, f"spot above goal {goal}"))
-        elif extra and goal > 1:
-            self._rebalance(view, spot, spot_prices, decision)
         self._cover(view, spot, need, extra, decision)
         return decision
 
     def _candidates(self, view: PolicyInput) -> list[Location]:
-        """Where a spot replica may go now: not backing off, not being reclaimed, no storm."""
+        """Where a spot replica may go now: not backing off after a refusal, not being
+        reclaimed (nor storming, with `storm_guard`)."""
         now = view.now
         return [
             loc
             for loc in view.locations
-            if self._blocked_until.get(loc, 0.0) <= now and not self.storm.stormy(loc, now)
+            if self._blocked_until.get(loc, 0.0) <= now and not (self.storm_guard and self.storm.stormy(loc, now))
         ]
 
     def _room(self, view: PolicyInput, spot: list[ReplicaView]) -> dict[Location, int]:
         """How many of the service's spot replicas each usable zone may hold: as many as it
         holds where it refused more (or is being reclaimed), else any number."""
         held = count_by_location(spot)
-        room = {loc: n for loc, n in held.items()}
+        room = dict(held)
         for loc in self._candidates(view):
             # A zone that refused since its last grant is probed one replica at a time.
-            room[loc] = held.get(loc, 0) + 1 if self._fails.get(loc) else 1 << 30
+            room[loc] = held.get(loc, 0) + 1 if self._fails.get(loc) else _UNBOUNDED
         return room
 
     def _hedge_size(self, view: PolicyInput, spot: list[ReplicaView], need: int, extra: int, prices) -> int:
-        """Spot replicas to hold without usable notices: the cheapest mix with `need + extra`
-        replicas in all that survives losing any one zone with `need` still serving (on-demand
-        fills what spot cannot). Few usable zones mean more, evenly spread, spot replicas."""
+        """Spot replicas to hold without usable notices: the cheapest mix of spot and on-demand
+        with `need + extra` replicas in all that still serves `need` after losing any one spot
+        replica, or every one in a young zone. Few settled zones mean more spot in them, or
+        on-demand where that is cheaper."""
         now = view.now
         rooms = self._room(view, spot)
         # Fill the settled zones first; only losing a young zone's replicas is planned for.
@@ -230,7 +229,7 @@ class HazardHedgePolicy(PlacementPolicy):
         od_price = min(od_prices.values()) if od_prices else 3.0 * spot_price
         best: tuple[float, int] | None = None
         for total in range(0, 2 * need + extra + 1):
-            counts = _even_fill(room, total)
+            counts = _fill(room, total)
             if counts is None:
                 break
             worst = max((c for c, y in zip(counts, young, strict=True) if y), default=0)
@@ -240,7 +239,7 @@ class HazardHedgePolicy(PlacementPolicy):
                 best = (cost, total)
         return best[1] if best else 0
 
-    def _place_spot(self, view, spot: list[ReplicaView], n: int, prices, decision: Decision, why: str = "") -> None:
+    def _place_spot(self, view, spot: list[ReplicaView], n: int, prices, decision: Decision) -> None:
         now = view.now
         counts = count_by_location(spot)
         candidates = self._candidates(view)
@@ -250,46 +249,25 @@ class HazardHedgePolicy(PlacementPolicy):
         for i in range(n):
             if not candidates:
                 break  # every zone refused, is being reclaimed or storms: on-demand covers
-            # Spread first (losing one zone then costs the fewest), then the expected price.
-            loc = min(candidates, key=lambda c: (counts.get(c, 0), base_score[c], c))
+            loc = min(candidates, key=lambda c: _placement_key(c, counts, base_score[c]))
             counts[loc] = counts.get(loc, 0) + 1
             price = f" at ${prices[loc]:.3f}/h" if loc in prices else ""
-            decision.launches.append(Launch(loc, Market.SPOT, why or f"spot {len(spot) + i + 1}/{len(spot) + n}{price}"))
-
-    def _rebalance(self, view, spot: list[ReplicaView], prices, decision: Decision) -> None:
-        """All READY, but one zone holds two more than another usable zone: start one replica
-        there; the crowded zone gives one up once it is READY (`_surplus`)."""
-        if any(r.phase is not Phase.READY for r in spot):
-            return
-        counts = count_by_location(spot)
-        most = max(counts.values(), default=0)
-        emptier = [loc for loc in self._candidates(view) if counts.get(loc, 0) <= most - 2]
-        if emptier:
-            crowded = max(counts, key=lambda loc: counts[loc])
-            self._place_spot(view, spot, 1, prices, decision, f"rebalance: {most} spot in {crowded.zone}")
+            decision.launches.append(Launch(loc, Market.SPOT, f"spot {len(spot) + i + 1}/{len(spot) + n}{price}"))
 
     def _surplus(self, spot: list[ReplicaView], goal: int, prices, now: float) -> list[ReplicaView]:
-        """The replicas beyond `goal`: starting ones first, except one that moves a replica out
-        of a crowded zone; then READY ones, crowded zones first, then the priciest or most
-        hazardous."""
-        ready = [r for r in spot if r.phase is Phase.READY]
-        counts = count_by_location(ready)
-        most = max(counts.values(), default=0)
-        starting = [r for r in scale_down_order(spot) if r.phase is not Phase.READY]
-        moving = [r for r in starting if counts.get(r.location, 0) <= most - 2]
-        out = [r for r in starting if r not in moving[:1]][: len(spot) - goal]
-        extra_ready = min(len(ready) - goal, len(spot) - goal - len(out))
-        if extra_ready > 0:
-            def key(r: ReplicaView):
-                score = self.score(r.location, prices.get(r.location, math.inf), now)
-                return (-counts[r.location], -score, r.replica_id)
+        """The replicas beyond `goal`: starting ones first, then READY ones from the most
+        crowded zone, then the priciest or most hazardous."""
+        counts = count_by_location(spot)
 
-            out += sorted(ready, key=key)[:extra_ready]
-        return out
+        def key(r: ReplicaView):
+            score = self.score(r.location, prices.get(r.location, math.inf), now)
+            return (r.phase is Phase.READY, -counts[r.location], -score, r.replica_id)
+
+        return sorted(scale_down_order(spot), key=key)[: len(spot) - goal]
 
     def _cover(self, view: PolicyInput, spot: list[ReplicaView], need: int, extra: int, decision: Decision) -> None:
         """On-demand = base + what spot cannot serve: READY spot short of `need` now, and, when
-        hedging, what losing the zone holding most spot would leave short. A cover is launched
+        hedging, what losing a spot replica (or a young zone's all) would leave short. A cover is launched
         only for a shortfall the starting spot replicas do not meet, and kept until READY spot
         meets it; starting covers count."""
         now = view.now
@@ -300,13 +278,15 @@ class HazardHedgePolicy(PlacementPolicy):
         else:
             ready = [
                 r for r in spot
-                if r.phase is Phase.READY and not (self.cover_at_risk and self.storm.stormy(r.location, now))
+                if r.phase is Phase.READY and not (self.storm_guard and self.storm.stormy(r.location, now))
             ]
+            # Starting spot counts as on its way, except probes of zones that refused lately.
             planned = [r.location for r in spot if r.phase is not Phase.READY]
             planned += [x.location for x in decision.launches if x.market is Market.SPOT]
+            planned = [loc for loc in planned if not self._fails.get(loc)]
             short_now = need - len(ready)
             launch_short = short_now
-            if not self._ever_ready:
+            if not self._ever_ready and not extra:
                 # The first cold start: spot asked for now is READY no later than on-demand would be.
                 launch_short -= len(planned)
             keep_short = short_now
@@ -340,13 +320,22 @@ def _survivors(counts: dict[Location, int], young) -> int:
     return sum(counts.values()) - max(worst, 1 if counts else 0)
 
 
-def _even_fill(room: list[int], total: int) -> list[int] | None:
-    """`total` replicas spread as evenly as the zones' room allows (None: they do not fit)."""
+def _placement_key(loc: Location, counts: dict[Location, int], score: float):
+    """A zone holding none of the service's spot replicas first (losing one zone then costs
+    one replica); past that, pile onto one zone (a second crowded zone would be a second way
+    to lose two at once); then the best expected price."""
+    n = counts.get(loc, 0)
+    return (min(n, 1), n < 2, score, loc)
+
+
+def _fill(room: list[int], total: int) -> list[int] | None:
+    """Where `total` replicas go as `_placement_key` places them, zones in order of preference
+    (None: they do not fit)."""
     counts = [0] * len(room)
     for _ in range(total):
         open_zones = [i for i in range(len(room)) if counts[i] < room[i]]
         if not open_zones:
             return None
-        i = min(open_zones, key=lambda i: counts[i])
+        i = min(open_zones, key=lambda i: (min(counts[i], 1), counts[i] < 2, i))
         counts[i] += 1
     return counts
