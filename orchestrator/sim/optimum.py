@@ -18,11 +18,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from orchestrator.common.errors import UserError
-from orchestrator.sim.paper import PaperConfig, PaperTrace, expand
-from orchestrator.sim.replay import SimConfig
+from orchestrator.sim.paper import MODEL, TICK, PaperConfig, expand
+from orchestrator.sim.replay import SimConfig, SimResult
 from orchestrator.sim.traces import TraceGroup
 
 SOLVER_MISSING = "the offline optimum needs scipy: pip install 'spot-orchestrator[optimum]'"
+OPTIMAL = "optimal"  # the name its results carry in place of a policy's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,8 +176,9 @@ def solve(
     return Optimum(float(res.fun), float(spot_s), float(od_s), nseg, str(res.message))
 
 
-def replay_optimum(group: TraceGroup, config: SimConfig) -> float:
-    """The optimum's cost ratio in the replay engine's model (same baseline as SimResult)."""
+def replay_optimum(group: TraceGroup, config: SimConfig, label: str | None = None) -> SimResult:
+    """The optimum in the replay engine's model, scored like a replay (same baseline). Raises
+    UserError if scipy is missing."""
     n = group.ticks
     od = min(config.od_price_ratio * sum(z.spot_prices) / n for z in group.zones)
     opt = solve(
@@ -185,20 +187,50 @@ def replay_optimum(group: TraceGroup, config: SimConfig) -> float:
         group.gap, config.cold_start, config.target, od,
         unheld=max(1.0, min(config.attempt, config.cold_start)),
     )
-    return opt.cost / (config.target * od * group.duration / 3600.0)
+    baseline = config.target * od * group.duration / 3600.0
+    return _result(group, label, opt, baseline, group.duration, "replay")
 
 
-def paper_optimum(group: TraceGroup, config: PaperConfig, trace: PaperTrace | None = None) -> float:
-    """The optimum's cost ratio in the paper model: the mean over its windows."""
-    from orchestrator.sim.paper import TICK
-
-    trace = trace or expand(group, config)
+def paper_optimum(group: TraceGroup, config: PaperConfig, label: str | None = None) -> SimResult:
+    """The optimum in the paper model: each window solved alone, cost ratios averaged as the
+    paper model averages a policy's. Raises UserError if scipy is missing."""
+    trace = expand(group, config)
     cold = config.cold_ticks * TICK
     od = config.od_price_ratio * trace.spot_price
-    ratios = []
+    baseline_per_window = config.target * od * (trace.window_ticks * TICK - cold) / 3600.0
+    ratios, total = [], None
     for offset in trace.offsets:
         caps = [trace.capacity[z][offset : offset + trace.window_ticks] for z in trace.zones]
         prices = [np.full(trace.window_ticks, trace.spot_price) for _ in caps]
         opt = solve(caps, prices, TICK, cold, config.target, od, bill_from=cold)
-        ratios.append(opt.cost / (config.target * od * (trace.window_ticks * TICK - cold) / 3600.0))
-    return sum(ratios) / len(ratios)
+        ratios.append(opt.cost / baseline_per_window)
+        total = opt if total is None else dataclasses.replace(
+            total,
+            cost=total.cost + opt.cost,
+            spot_replica_seconds=total.spot_replica_seconds + opt.spot_replica_seconds,
+            on_demand_replica_seconds=total.on_demand_replica_seconds + opt.on_demand_replica_seconds,
+        )
+    windows = len(trace.offsets)
+    result = _result(group, label, total, baseline_per_window * windows, windows * trace.window_ticks * TICK, MODEL)
+    result.cost_ratio = sum(ratios) / len(ratios)
+    return result
+
+
+def _result(group: TraceGroup, label: str | None, opt: Optimum, baseline: float, span: float, model: str) -> SimResult:
+    gpus = group.gpus_per_replica
+    return SimResult(
+        policy=OPTIMAL,
+        trace=label or group.name,
+        cost_ratio=opt.cost / baseline if baseline > 0 else 0.0,
+        availability=1.0,
+        spot_gpu_hours=opt.spot_replica_seconds * gpus / 3600.0,
+        on_demand_gpu_hours=opt.on_demand_replica_seconds * gpus / 3600.0,
+        preemptions=0,
+        launches=0,
+        capacity_errors=0,
+        notices=0,
+        cost=opt.cost,
+        on_demand_baseline_cost=baseline,
+        simulated_seconds=span,
+        model=model,
+    )

@@ -24,7 +24,7 @@ from orchestrator.fleet.lifecycle import ReplicaState
 from orchestrator.sim.replay import SKYSERVE_EVAL_PARAMS, SimResult, check_policies
 from orchestrator.sim.traces import TraceGroup, labelled_groups
 from policies.base import EventKind, MarketEvent, PlacementPolicy, ServiceParams, load_policy
-from providers.base import CapacityError, Location, Market, Offer, Offers
+from providers.base import CapacityError, Location, Market, Offer
 
 MODEL = "spothedge-paper"
 TICK = 30.0  # the artifact's time_tick_in_seconds
@@ -246,7 +246,8 @@ def simulate_paper(
         s = run_window(policy, [loc_of[z] for z in order], window, trace, config)
         scored = max(1, s.scored_ticks)
         avails.append(s.up_ticks / scored)
-        costs.append((s.spot_ticks + config.od_price_ratio * s.od_ticks) / (config.od_price_ratio * config.target * scored))
+        units = s.spot_ticks + config.od_price_ratio * s.od_ticks  # in spot replica-ticks
+        costs.append(units / (config.od_price_ratio * config.target * scored))
         for f in dataclasses.fields(_Score):
             setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
     hours = TICK / 3600.0
