@@ -220,8 +220,7 @@ class HazardHedgePolicy(PlacementPolicy):
         on-demand where that is cheaper."""
         now = view.now
         rooms = self._room(view, spot)
-        # Fill the settled zones first; only losing a young zone's replicas is planned for.
-        zones = sorted(rooms, key=lambda loc: (self.young(loc, now), -rooms[loc]))
+        zones = sorted(rooms, key=lambda loc: (self.young(loc, now), -rooms[loc]))  # settled first
         room = [rooms[loc] for loc in zones]
         young = [self.young(loc, now) for loc in zones]
         spot_price = sum(prices.values()) / len(prices) if prices else 1.0
@@ -249,7 +248,7 @@ class HazardHedgePolicy(PlacementPolicy):
         for i in range(n):
             if not candidates:
                 break  # every zone refused, is being reclaimed or storms: on-demand covers
-            loc = min(candidates, key=lambda c: _placement_key(c, counts, base_score[c]))
+            loc = min(candidates, key=lambda c: _placement_key(c, counts, self.young(c, now), base_score[c]))
             counts[loc] = counts.get(loc, 0) + 1
             price = f" at ${prices[loc]:.3f}/h" if loc in prices else ""
             decision.launches.append(Launch(loc, Market.SPOT, f"spot {len(spot) + i + 1}/{len(spot) + n}{price}"))
@@ -320,12 +319,12 @@ def _survivors(counts: dict[Location, int], young) -> int:
     return sum(counts.values()) - max(worst, 1 if counts else 0)
 
 
-def _placement_key(loc: Location, counts: dict[Location, int], score: float):
+def _placement_key(loc: Location, counts: dict[Location, int], young: bool, score: float):
     """A zone holding none of the service's spot replicas first (losing one zone then costs
-    one replica); past that, pile onto one zone (a second crowded zone would be a second way
-    to lose two at once); then the best expected price."""
+    one replica), a settled one before a young one; past that, pile onto one zone (a second
+    crowded zone would be a second way to lose two at once); then the best expected price."""
     n = counts.get(loc, 0)
-    return (min(n, 1), n < 2, score, loc)
+    return (min(n, 1), young, n < 2, score, loc)
 
 
 def _fill(room: list[int], total: int) -> list[int] | None:

@@ -10,15 +10,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.common.errors import UserError
-from orchestrator.sim.replay import (
-    DEFAULT_SPOT_PRICES,
-    SimConfig,
-    expand_trace_dirs,
-    load_groups,
-    load_price_table,
-    run_matrix,
-    simulate,
-)
+from orchestrator.sim.replay import SimConfig, run_matrix, simulate
+from orchestrator.sim.traces import DEFAULT_SPOT_PRICES, expand_trace_dirs, load_groups, load_price_table
 from policies.base import Decision, EventKind, MarketEvent, Phase, PlacementPolicy, PolicyInput
 from policies.cheapest import CheapestZonePolicy
 from policies.ondemand import OnDemandPolicy
