@@ -143,7 +143,7 @@ def solve(
                     load.setdefault(k2, []).append(n)
             prev_s = s
         for k2, members in load.items():
-            if seg_cap[k2] < 2 * target and len(members) > 1:  # else it can never bind
+            if seg_cap[k2] < 2 * target:  # else it can never bind
                 row([(m, 1.0) for m in members], -np.inf, float(seg_cap[k2]))
     od_serve = spent(None, starts[serving], ends[serving])
     od_prep = spent(None, prep_start, starts[serving])
@@ -152,7 +152,7 @@ def solve(
     for i in range(len(serving)):
         o = var(od_serve[i], target, True)
         n = var(od_prep[i], target, False)
-        od_vars.append(o)
+        od_vars.append((o, n))
         row([(n, 1.0), (o, -1.0)] + ([(prev_o, 1.0)] if prev_o is not None else []), 0.0, np.inf)
         coverage[i].append((o, 1.0))
         prev_o = o
@@ -172,7 +172,7 @@ def solve(
     length = ends - starts
     prep_len = np.maximum(starts[serving], bill_from) - np.maximum(prep_start, bill_from)
     spot_s = sum(x[s] * length[k] + x[n] * prep_len[k - first] for s, n, k in spot_vars)
-    od_s = sum(x[o] * length[serving[i]] for i, o in enumerate(od_vars))
+    od_s = sum(x[o] * length[serving[i]] + x[n] * prep_len[i] for i, (o, n) in enumerate(od_vars))
     return Optimum(float(res.fun), float(spot_s), float(od_s), nseg, str(res.message))
 
 
