@@ -4,37 +4,25 @@ case where a second replacement and a second cover used to follow at the deadlin
 
 from __future__ import annotations
 
-import sys
+import dataclasses
 
 import pytest
 
-from orchestrator.control.launch import ReplicaLauncher
-from providers.base import LaunchRequest
-from tests.helpers import FAKES, running_daemon, wait_for
+from tests.control.test_daemon import FakeEngineLauncher
+from tests.control.test_live_fallback import SPEC as FALLBACK_SPEC
+from tests.helpers import running_daemon, wait_for
 
 COLD_START_S = 6.0
 GRACE_S = 2.0
-SPEC = """
-name: churn
-service:
-  readiness_probe: {path: /health, initial_delay_seconds: 60}
-  replicas: 2
-resources:
-  cloud: local
-  use_spot: true
-  any_of: [{zone: local-a}, {zone: local-b}, {zone: local-c}]
-engine: {model: tiny}
-kv: {enabled: false}
-"""
+SPEC = FALLBACK_SPEC.replace("name: live", "name: churn").replace("replicas: 4", "replicas: 2")
 
 
-class SlowEngineLauncher(ReplicaLauncher):
-    def request(self, spec, row, location, market) -> LaunchRequest:
-        return LaunchRequest(
-            service=spec.name, replica_id=row.replica_id, location=location, market=market, instance_type="",
-            command=[sys.executable, str(FAKES / "engine.py"), "--port", "{port}", "--name", spec.name,
-                     "--ready-after", str(COLD_START_S)],
-        )
+class SlowEngineLauncher(FakeEngineLauncher):
+    """The stand-in engine, answering /health only COLD_START_S after it starts."""
+
+    def request(self, spec, row, location, market):
+        request = super().request(spec, row, location, market)
+        return dataclasses.replace(request, command=[*request.command, "--ready-after", str(COLD_START_S)])
 
 
 @pytest.fixture
