@@ -1,4 +1,4 @@
-"""What a policy learns from market events: decaying hazard per failure domain, storms.
+"""What a policy learns from market events: hazard per failure domain, storms, notice lead.
 
 - `Decaying`: an event count that halves every `half_life` seconds (so old trouble fades).
 - `HazardBook`: one such count per zone, region and cloud; a zone's hazard is its own
@@ -6,6 +6,8 @@
 - `StormDetector`: several distinct replicas warned or lost in one region (or cloud)
   within a window is a correlated preemption; the domain stays stormy until it has been
   quiet for `calm` seconds.
+- `PriceTrend`: the last price and its fading slope per location.
+- `NoticeTrust`: per cloud, whether notices come a cold start ahead of their preemptions.
 
 Pure folds over (time, location) facts: no clock of their own, no I/O.
 """
