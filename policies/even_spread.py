@@ -10,10 +10,9 @@ from providers.base import Location, Market
 
 class EvenSpreadPolicy(SpotOnlyPolicy):
     name = "even_spread"
-    description = "Baseline: next spot replica in the zone holding fewest (ties: cheapest), no fallback"
+    description = "Baseline: next spot replica in the zone holding fewest (ties: cheapest, then first listed)"
 
     def pick(self, view: PolicyInput, current: list[Location]) -> Location:
         prices = price_map(view, Market.SPOT)
-        return min(
-            sorted(view.locations), key=lambda loc: (current.count(loc), prices.get(loc, float("inf")))
-        )
+        # min() keeps the first of equals: ties go to the service's location order.
+        return min(view.locations, key=lambda loc: (current.count(loc), prices.get(loc, float("inf"))))

@@ -1,4 +1,4 @@
-"""What a policy learns from market events: decaying hazard per failure domain, storms.
+"""What a policy learns from market events: hazard per failure domain, storms, notice lead.
 
 - `Decaying`: an event count that halves every `half_life` seconds (so old trouble fades).
 - `HazardBook`: one such count per zone, region and cloud; a zone's hazard is its own
@@ -6,6 +6,8 @@
 - `StormDetector`: several distinct replicas warned or lost in one region (or cloud)
   within a window is a correlated preemption; the domain stays stormy until it has been
   quiet for `calm` seconds.
+- `PriceTrend`: the last price and its fading slope per location.
+- `NoticeTrust`: per cloud, whether notices come a cold start ahead of their preemptions.
 
 Pure folds over (time, location) facts: no clock of their own, no I/O.
 """
@@ -138,3 +140,27 @@ class PriceTrend:
         if slope <= 0.0:
             return price
         return price + slope * math.exp2(-max(0.0, now - at) / self.half_life) * horizon_hours
+
+
+class NoticeTrust:
+    """Per cloud: do its preemption notices come early enough to replace a replica in time?
+
+    Each loss of a serving replica is evidence: in time (warned at least a cold start ahead)
+    or late (no notice, or a shorter one). Late evidence decays with `half_life`; a cloud is
+    trusted once a notice came in time and no late one is recent.
+    """
+
+    def __init__(self, half_life: float = 24 * 3600.0):
+        self.half_life = half_life
+        self._in_time: dict[str, int] = {}
+        self._late: dict[str, Decaying] = {}
+
+    def record(self, cloud: str, in_time: bool, now: float) -> None:
+        if in_time:
+            self._in_time[cloud] = self._in_time.get(cloud, 0) + 1
+        else:
+            self._late.setdefault(cloud, Decaying(self.half_life)).add(now)
+
+    def trusted(self, cloud: str, now: float) -> bool:
+        late = self._late.get(cloud)
+        return self._in_time.get(cloud, 0) > 0 and (late is None or late.at(now) < 0.5)

@@ -1,46 +1,23 @@
 """hazard_hedge: the project's default policy, a hedge that uses what SpotHedge throws away.
 
-SpotHedge buys safety with standing cost: one always-on extra spot replica, and an
-on-demand fallback counted against a goal that includes that extra replica (so a zone
-that cannot hold the extra one keeps an on-demand replica running). This policy buys
-the same safety only when it is needed:
-
-1. Notices. A warned replica is treated as lost at once: its spot replacement and an
-   on-demand cover are launched when the notice arrives, so with a notice as long as
-   the cold start both are READY when the old replica dies. Hence no standing
-   overprovision; the cover is given back as soon as enough spot replicas are READY.
-2. Adaptive overprovision. Losses of serving replicas that came without a notice long
-   enough to start a replacement ("surprises": no notice, or GCP's 30 s against a 2 min
-   cold start) raise a decaying count; while it is high one extra spot replica is held
-   and on-demand covers what READY spot lacks of that goal (SpotHedge's hedge, only when
-   notices do not help). With reliable 2-minute notices it stays at 0.
-3. Per-location hazard, decaying (half-life 3 h): notices and preemptions weigh 1,
-   capacity errors 0.3; a zone also carries half its region's and a quarter of its
-   cloud's. New spot replicas go where price x (1 + hazard) is lowest, spread over
-   zones, at the live price plus its recent upward trend.
-4. Capacity errors back off per zone (exponential, 60 s .. 30 min); a notice or a
-   preemption blocks its zone for 10 min, so a replacement never lands where the
-   capacity is going.
-5. Correlated preemptions: >= 2 distinct replicas warned or lost in one region within
-   10 min (or >= 4 across two regions of one cloud) is a storm. No spot is placed in a
-   stormy domain, its still-healthy spot replicas get on-demand cover too, and after
-   30 quiet minutes spot comes back and the cover goes. Reasons on every launch and
-   removal name the storm, so the fallback is visible in the controller's events.
-
-State is a fold over events (plus the last price book), so a restarted controller
-rebuilds it by replaying the events table. Times are whatever clock the events and
-`PolicyInput.now` share: the trace's in the simulator, the wall clock in the daemon.
-
-Measured (tests/benchmarks/bench_policies.py; target 3, cold start 120 s, notice 120 s,
-on-demand 3x spot; SpotHedge with SkyServe's evaluated knobs num_overprovision=1 and
-dynamic on-demand fallback): about 26% cheaper than SpotHedge on average over the ten
-shared trace groups, never less available. Without useful notices (--notice 30 or 0) it
-falls back to SpotHedge's hedge and is only ~8% cheaper, and slightly less available on
-some groups while its surprise count builds up.
+1. A notice counts as the loss it announces: the replacement (and an on-demand cover where
+   READY spot falls short of the target) is launched when it arrives.
+2. The spec's overprovision (SkyServe's num_overprovision) is held only while a cloud's
+   notices cannot replace a replica in time; once a notice has come a cold start ahead of
+   its preemption, and none too late since, the extra replicas go. While hedging, the mix
+   of spot and on-demand is the cheapest that survives losing any spot replica, or every
+   replica in a zone whose capacity came back lately (such capacity goes again soonest).
+3. On-demand covers only what spot cannot; a cover is launched for a shortfall no starting
+   spot replica meets and kept until READY spot meets it. One loss brings at most one
+   replacement and one cover. Placement: empty zones first, then one pile; live price
+   (plus its rising trend) x (1 + decaying hazard of zone, region, cloud); refusals back
+   off per zone, a notice or preemption blocks its zone a while. docs/policies.md has the
+   reasoning and the numbers.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 from policies.base import (
@@ -55,49 +32,49 @@ from policies.base import (
     ReplicaView,
 )
 from policies.common import count_by_location, price_map, scale_down_order
-from policies.hazard import Decaying, HazardBook, PriceTrend, StormDetector
+from policies.hazard import HazardBook, NoticeTrust, PriceTrend, StormDetector
 from providers.base import Location, Market
 
 _EVENT_WEIGHT = {EventKind.NOTICE: 1.0, EventKind.PREEMPTED: 1.0, EventKind.CAPACITY_ERROR: 0.3}
+_UNBOUNDED = 1 << 30
 
 
 class HazardHedgePolicy(PlacementPolicy):
     name = "hazard_hedge"
-    description = "Default: live-price, hazard-aware spot spread; acts on notices; on-demand cover in storms"
+    description = "Default: acts on notices, hedges only while notices come late, on-demand only where spot cannot"
 
     def __init__(
         self,
         half_life: float = 3 * 3600.0,
         hazard_weight: float = 0.5,
-        spread_penalty: float = 1.0,
         retry_base: float = 60.0,
-        retry_max: float = 1800.0,
+        retry_max: float = 300.0,
         preempt_block: float = 600.0,
+        young_for: float = 2700.0,
         storm_window: float = 600.0,
         storm_threshold: int = 2,
         calm: float = 1800.0,
-        max_overprovision: int = 1,
-        cover_at_risk: bool = True,
+        storm_guard: bool = False,
         cold_start_guess: float = 120.0,
         trend_horizon_hours: float = 1.0,
+        trust_half_life: float = 24 * 3600.0,
     ):
         self.hazard = HazardBook(half_life)
         self.storm = StormDetector(storm_window, storm_threshold, calm)
         self.trend = PriceTrend()
-        self.surprises = Decaying(half_life)
+        self.trust = NoticeTrust(trust_half_life)
         self.hazard_weight = hazard_weight
-        self.spread_penalty = spread_penalty
         self.retry_base, self.retry_max, self.preempt_block = retry_base, retry_max, preempt_block
-        self.max_overprovision = max_overprovision
-        self.cover_at_risk = cover_at_risk
+        self.young_for = young_for
+        self.storm_guard = storm_guard  # keep spot out of stormy domains and cover their replicas
         self.trend_horizon_hours = trend_horizon_hours
         self.cold_start = cold_start_guess  # learned: launch -> READY, smoothed
-        self._fails: dict[Location, int] = {}
+        self._fails: dict[Location, int] = {}  # refusals since the zone last granted
         self._blocked_until: dict[Location, float] = {}
+        self._trouble_at: dict[Location, float] = {}  # last refusal, notice or preemption
         self._serving: set[str] = set()  # replicas that reached READY
         self._warned: dict[str, tuple[float, bool]] = {}  # notice time, serving then
         self._ever_ready = False  # before the first READY replica nothing serves to cover
-        self._granted: set[str] = set()  # spot replicas the cloud accepted
         self._cold_seen: set[str] = set()
 
     # ------------------------------------------------------------ learning from events
@@ -105,6 +82,8 @@ class HazardHedgePolicy(PlacementPolicy):
     def observe(self, event: MarketEvent) -> None:
         if event.kind is EventKind.READY:
             self._ever_ready = True
+            if event.replica_id is not None:
+                self._serving.add(event.replica_id)
         if event.market is not Market.SPOT:
             return
         loc, at, rid = event.location, event.at, event.replica_id
@@ -114,35 +93,36 @@ class HazardHedgePolicy(PlacementPolicy):
             self._block(loc, at + min(self.retry_base * 2 ** min(n - 1, 30), self.retry_max))
         elif event.kind is EventKind.LAUNCHED:
             self._fails.pop(loc, None)  # the zone grants again
-            if rid is not None:
-                self._granted.add(rid)
         elif event.kind is EventKind.NOTICE:
-            if rid is not None:  # when, and whether it was serving (a launching one costs nothing)
+            if rid is not None:  # when, and whether it was serving (a starting one costs nothing)
                 self._warned[rid] = (at, rid in self._serving)
             self._block(loc, at + self.preempt_block)
             self.storm.hit(loc, rid or f"{loc}@{at}", at)
-        elif event.kind is EventKind.READY:
-            if rid is not None:
-                self._serving.add(rid)
         elif event.kind is EventKind.PREEMPTED:
             warned = self._warned.get(rid) if rid is not None else None
-            if warned is None:
-                surprise = rid is None or rid in self._serving
-            else:
+            if warned is not None:
                 weight = 0.0  # already counted when the notice came
-                surprise = warned[1] and at - warned[0] < self.cold_start
-            if surprise:  # a serving replica lost too soon to have been replaced in time
-                self.surprises.add(at)
+                if warned[1]:
+                    self.trust.record(loc.cloud, at - warned[0] >= 0.95 * self.cold_start, at)
+            elif rid is None or rid in self._serving:
+                self.trust.record(loc.cloud, False, at)  # a serving replica lost without a word
             self._block(loc, at + self.preempt_block)
             self.storm.hit(loc, rid or f"{loc}@{at}", at)
         if event.kind in (EventKind.PREEMPTED, EventKind.TERMINATED) and rid is not None:
             self._warned.pop(rid, None)
             self._serving.discard(rid)
+        if weight is not None and event.kind is not EventKind.LAUNCHED:
+            self._trouble_at[loc] = max(self._trouble_at.get(loc, -math.inf), at)
         if weight:
             self.hazard.add(loc, at, weight)
 
     def _block(self, loc: Location, until: float) -> None:
         self._blocked_until[loc] = max(self._blocked_until.get(loc, 0.0), until)
+
+    def young(self, loc: Location, now: float) -> bool:
+        """Trouble (a refusal, notice or preemption) in the zone within `young_for`: spot
+        capacity that just came back is the likeliest to go again."""
+        return now - self._trouble_at.get(loc, -math.inf) < self.young_for
 
     def _learn_cold_start(self, replicas) -> None:
         live = set()
@@ -154,16 +134,17 @@ class HazardHedgePolicy(PlacementPolicy):
         self._cold_seen &= live
         # Replicas the controller removed leave no event here: forget them with their rows.
         self._serving &= live
-        self._granted &= live
         for rid in [rid for rid in self._warned if rid not in live]:
             del self._warned[rid]
 
     # ------------------------------------------------------------ what it tells a reader
 
-    def overprovision(self, now: float) -> int:
-        """Extra spot replicas to hold: only while un-warned preemptions are recent."""
-        s = self.surprises.at(now)
-        return min(self.max_overprovision, 0 if s < 0.5 else 1 if s < 2.0 else 2)
+    def overprovision(self, view: PolicyInput) -> int:
+        """Extra spot replicas to hold: the spec's, unless every cloud's notices come in time."""
+        wanted = view.params.num_overprovision
+        if wanted and all(self.trust.trusted(cloud, view.now) for cloud in {loc.cloud for loc in view.locations}):
+            return 0
+        return wanted
 
     def storms(self, now: float) -> list[str]:
         return self.storm.storms(now)
@@ -172,7 +153,7 @@ class HazardHedgePolicy(PlacementPolicy):
         """What the policy believes now, for status pages and logs (no decisions hang on it)."""
         return {
             "storms": self.storms(now),
-            "overprovision": self.overprovision(now),
+            "trusted_notices": sorted({loc.cloud for loc in locations if self.trust.trusted(loc.cloud, now)}),
             "cold_start_s": round(self.cold_start, 1),
             "blocked": sorted(str(loc) for loc in locations if self._blocked_until.get(loc, 0.0) > now),
             "hazard": {str(loc): round(self.hazard.hazard(loc, now), 3) for loc in locations},
@@ -193,73 +174,167 @@ class HazardHedgePolicy(PlacementPolicy):
             if o.market is Market.SPOT:
                 self.trend.update(o.location, o.price_per_hour, o.observed_at)
         decision = Decision()
-        base = view.params.base_ondemand_fallback_replicas
+        need = max(0, view.target - view.params.base_ondemand_fallback_replicas)  # what spot should serve
+        # A warned replica is as good as gone: it is replaced, never counted.
         spot = [r for r in view.by_market(Market.SPOT) if r.phase is not Phase.DRAINING]
-        extra = self.overprovision(now)
-        spot_goal = max(0, view.target + extra - base) if view.params.use_spot else 0
-
-        if len(spot) < spot_goal:
-            self._place_spot(view, spot, spot_goal, spot_prices, decision)
-        elif len(spot) > spot_goal:
-            for r in self._surplus(spot, len(spot) - spot_goal, spot_prices, now):
-                decision.removals.append(Removal(r.replica_id, f"spot above goal {spot_goal}"))
-
-        # Without usable notices a loss is only seen when it happens: then hedge like
-        # SpotHedge and cover every spot replica of the (overprovisioned) goal not yet READY.
-        self._cover(view, spot, base, decision, extra)
+        extra = self.overprovision(view) if view.params.use_spot else 0
+        if not view.params.use_spot:
+            decision.removals += [Removal(r.replica_id, "use_spot is off") for r in spot]
+            spot, goal = [], 0
+        elif extra:
+            goal = self._hedge_size(view, spot, need, extra, spot_prices)
+        else:
+            goal = need
+        if len(spot) < goal:
+            self._place_spot(view, spot, goal - len(spot), spot_prices, decision)
+        elif len(spot) > goal:
+            for r in self._surplus(spot, goal, spot_prices, now):
+                decision.removals.append(Removal(r.replica_id, f"spot above goal {goal}"))
+        self._cover(view, spot, need, extra, decision)
         return decision
 
-    def _place_spot(self, view, spot: list[ReplicaView], goal: int, prices, decision: Decision) -> None:
+    def _candidates(self, view: PolicyInput) -> list[Location]:
+        """Where a spot replica may go now: not backing off after a refusal, not being
+        reclaimed (nor storming, with `storm_guard`)."""
         now = view.now
-        counts = count_by_location(spot)
-        candidates = [
+        return [
             loc
             for loc in view.locations
-            if self._blocked_until.get(loc, 0.0) <= now and not self.storm.stormy(loc, now)
+            if self._blocked_until.get(loc, 0.0) <= now and not (self.storm_guard and self.storm.stormy(loc, now))
         ]
+
+    def _room(self, view: PolicyInput, spot: list[ReplicaView]) -> dict[Location, int]:
+        """How many of the service's spot replicas each usable zone may hold: as many as it
+        holds where it refused more (or is being reclaimed), else any number."""
+        held = count_by_location(spot)
+        room = dict(held)
+        for loc in self._candidates(view):
+            # A zone that refused since its last grant is probed one replica at a time.
+            room[loc] = held.get(loc, 0) + 1 if self._fails.get(loc) else _UNBOUNDED
+        return room
+
+    def _hedge_size(self, view: PolicyInput, spot: list[ReplicaView], need: int, extra: int, prices) -> int:
+        """Spot replicas to hold without usable notices: the cheapest mix of spot and on-demand
+        with `need + extra` replicas in all that still serves `need` after losing any one spot
+        replica, or every one in a young zone. Few settled zones mean more spot in them, or
+        on-demand where that is cheaper."""
+        now = view.now
+        rooms = self._room(view, spot)
+        zones = sorted(rooms, key=lambda loc: (self.young(loc, now), -rooms[loc]))  # settled first
+        room = [rooms[loc] for loc in zones]
+        young = [self.young(loc, now) for loc in zones]
+        spot_price = sum(prices.values()) / len(prices) if prices else 1.0
+        od_prices = price_map(view, Market.ON_DEMAND)
+        od_price = min(od_prices.values()) if od_prices else 3.0 * spot_price
+        best: tuple[float, int] | None = None
+        for total in range(0, 2 * need + extra + 1):
+            counts = _fill(room, total)
+            if counts is None:
+                break
+            worst = max((c for c, y in zip(counts, young, strict=True) if y), default=0)
+            od = max(0, need - (total - max(worst, 1 if total else 0)), need + extra - total)
+            cost = total * spot_price + od * od_price
+            if best is None or cost < best[0] - 1e-12:
+                best = (cost, total)
+        return best[1] if best else 0
+
+    def _place_spot(self, view, spot: list[ReplicaView], n: int, prices, decision: Decision) -> None:
+        now = view.now
+        counts = count_by_location(spot)
+        candidates = self._candidates(view)
         # A location the price book does not quote is still usable, at the dearest known price.
         unquoted = max(prices.values(), default=1.0)
         base_score = {loc: self.score(loc, prices.get(loc, unquoted), now) for loc in candidates}
-        for i in range(goal - len(spot)):
+        for i in range(n):
             if not candidates:
                 break  # every zone refused, is being reclaimed or storms: on-demand covers
-            loc = min(
-                candidates,
-                key=lambda c: (base_score[c] * (1.0 + self.spread_penalty * counts.get(c, 0)), c),
-            )
+            loc = min(candidates, key=lambda c: _placement_key(c, counts, self.young(c, now), base_score[c]))
             counts[loc] = counts.get(loc, 0) + 1
             price = f" at ${prices[loc]:.3f}/h" if loc in prices else ""
-            decision.launches.append(Launch(loc, Market.SPOT, f"spot {len(spot) + i + 1}/{goal}{price}"))
+            decision.launches.append(Launch(loc, Market.SPOT, f"spot {len(spot) + i + 1}/{len(spot) + n}{price}"))
 
-    def _surplus(self, spot: list[ReplicaView], n: int, prices, now: float) -> list[ReplicaView]:
-        # Not-yet-serving first; among serving ones, the priciest / most hazardous.
+    def _surplus(self, spot: list[ReplicaView], goal: int, prices, now: float) -> list[ReplicaView]:
+        """The replicas beyond `goal`: starting ones first, then READY ones from the most
+        crowded zone, then the priciest or most hazardous."""
+        counts = count_by_location(spot)
+
         def key(r: ReplicaView):
-            return (r.phase is Phase.READY, -self.score(r.location, prices.get(r.location, math.inf), now))
+            score = self.score(r.location, prices.get(r.location, math.inf), now)
+            return (r.phase is Phase.READY, -counts[r.location], -score, r.replica_id)
 
-        return sorted(scale_down_order(spot), key=key)[:n]
+        return sorted(scale_down_order(spot), key=key)[: len(spot) - goal]
 
-    def _cover(self, view: PolicyInput, spot: list[ReplicaView], base: int, decision: Decision, extra: int) -> None:
-        """On-demand = base + the spot replicas the service is short of right now."""
+    def _cover(self, view: PolicyInput, spot: list[ReplicaView], need: int, extra: int, decision: Decision) -> None:
+        """On-demand = base + what spot cannot serve: READY spot short of `need` now, and, when
+        hedging, what losing a spot replica (or a young zone's all) would leave short. A cover is launched
+        only for a shortfall the starting spot replicas do not meet, and kept until READY spot
+        meets it; starting covers count."""
         now = view.now
-        ready = [r for r in spot if r.phase is Phase.READY]
-        at_risk = [r for r in ready if self.storm.stormy(r.location, now)] if self.cover_at_risk else []
-        wanted = view.target + extra - base
-        short = wanted - (len(ready) - len(at_risk)) if view.params.use_spot else view.target
-        if not self._ever_ready and view.params.use_spot:
-            # The first cold start: a spot replica the cloud granted is READY no later than
-            # on-demand asked for now would be; cover only the ones not granted (yet).
-            short -= sum(1 for r in spot if r.phase is not Phase.READY and r.replica_id in self._granted)
-            if not view.replicas:  # the very first round: give the spot launches a chance
-                short -= sum(1 for x in decision.launches if x.market is Market.SPOT)
-        goal = min(view.target, base + max(0, short))
+        base = view.params.base_ondemand_fallback_replicas
         on_demand = view.by_market(Market.ON_DEMAND)
-        if goal > len(on_demand):
+        if not view.params.use_spot:
+            launch_goal = keep_goal = view.target
+        else:
+            ready = [
+                r for r in spot
+                if r.phase is Phase.READY and not (self.storm_guard and self.storm.stormy(r.location, now))
+            ]
+            # Starting spot counts as on its way, except probes of zones that refused lately.
+            planned = [r.location for r in spot if r.phase is not Phase.READY]
+            planned += [x.location for x in decision.launches if x.market is Market.SPOT]
+            planned = [loc for loc in planned if not self._fails.get(loc)]
+            short_now = need - len(ready)
+            launch_short = short_now
+            if not self._ever_ready and not extra:
+                # The first cold start: spot asked for now is READY no later than on-demand would be.
+                launch_short -= len(planned)
+            keep_short = short_now
+            if extra:
+                young = functools.partial(self.young, now=now)
+                after_loss = _survivors(count_by_location(ready), young)
+                planned_counts = count_by_location(ready)
+                for loc in planned:
+                    planned_counts[loc] = planned_counts.get(loc, 0) + 1
+                keep_short = max(keep_short, need - after_loss, need + extra - len(ready))
+                launch_short = max(
+                    launch_short, need - _survivors(planned_counts, young), need + extra - len(ready) - len(planned)
+                )
+            launch_goal = min(view.target, base + max(0, launch_short))
+            keep_goal = min(view.target, base + max(0, keep_short, launch_short))
+        if launch_goal > len(on_demand):
             storms = self.storms(now)
-            why = f"storm in {', '.join(storms)}" if storms else f"{len(ready)} healthy ready spot"
+            why = f"storm in {', '.join(storms)}" if storms else f"spot short of {launch_goal - base}"
             od_prices = price_map(view, Market.ON_DEMAND)
             loc = min(view.locations, key=lambda c: (od_prices.get(c, math.inf), c))
-            for _ in range(goal - len(on_demand)):
+            for _ in range(launch_goal - len(on_demand)):
                 decision.launches.append(Launch(loc, Market.ON_DEMAND, f"on-demand cover: {why}"))
-        elif goal < len(on_demand):
-            for r in scale_down_order(on_demand)[: len(on_demand) - goal]:
-                decision.removals.append(Removal(r.replica_id, f"spot recovered: on-demand goal {goal}"))
+        elif keep_goal < len(on_demand):
+            for r in scale_down_order(on_demand)[: len(on_demand) - keep_goal]:
+                decision.removals.append(Removal(r.replica_id, f"spot recovered: on-demand goal {keep_goal}"))
+
+
+def _survivors(counts: dict[Location, int], young) -> int:
+    """Replicas left after losing one of them, or every one in the young zone holding most."""
+    worst = max((n for loc, n in counts.items() if young(loc)), default=0)
+    return sum(counts.values()) - max(worst, 1 if counts else 0)
+
+
+def _placement_key(loc: Location, counts: dict[Location, int], young: bool, score: float):
+    """A zone holding none of the service's spot replicas first (losing one zone then costs
+    one replica), a settled one before a young one; past that, pile onto one zone (a second
+    crowded zone would be a second way to lose two at once); then the best expected price."""
+    n = counts.get(loc, 0)
+    return (min(n, 1), young, n < 2, score, loc)
+
+
+def _fill(room: list[int], total: int) -> list[int] | None:
+    """Where `total` replicas go as `_placement_key` places them, zones in order of preference
+    (None: they do not fit)."""
+    counts = [0] * len(room)
+    for _ in range(total):
+        open_zones = [i for i in range(len(room)) if counts[i] < room[i]]
+        if not open_zones:
+            return None
+        i = min(open_zones, key=lambda i: (min(counts[i], 1), counts[i] < 2, i))
+        counts[i] += 1
+    return counts

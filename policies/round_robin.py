@@ -12,10 +12,9 @@ class RoundRobinPolicy(SpotOnlyPolicy):
     description = "Baseline: each new spot replica in the next zone in turn, no fallback"
 
     def __init__(self) -> None:
-        self._next = 0  # launches so far: the cursor over the sorted locations
+        self._next = 0  # launches so far: the cursor over the service's locations, in their order
 
     def pick(self, view: PolicyInput, current: list[Location]) -> Location:
-        locations = sorted(view.locations)
-        loc = locations[self._next % len(locations)]
+        loc = view.locations[self._next % len(view.locations)]
         self._next += 1
         return loc

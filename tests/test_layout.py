@@ -128,14 +128,9 @@ def _string_constants(path: Path) -> list[tuple[int, str]]:
     return [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
-# Modules whose cloud names are being moved into providers/ on a branch that has not landed.
-_MOVING = {"orchestrator/sim/replay.py"}
-
-
 def test_no_module_outside_providers_names_a_cloud():
     named = [f"{path.relative_to(REPO)}:{line}: {value!r}" for mod, path in MODULES.items()
-             if not mod.startswith("providers") and str(path.relative_to(REPO)) not in _MOVING
-             for line, value in _string_constants(path) if value in CLOUDS]
+             if not mod.startswith("providers") for line, value in _string_constants(path) if value in CLOUDS]
     assert not named, "cloud names outside providers/ (a provider's property belongs in its contract):\n" + \
         "\n".join(named)
 

@@ -13,10 +13,15 @@ from rich.table import Table
 
 from orchestrator.common.errors import UserError
 from orchestrator.common.paths import traces_dir
-from orchestrator.sim.replay import SKYSERVE_EVAL_PARAMS, SimConfig, SimResult, load_price_table, run_matrix
+from orchestrator.sim.paper import MODEL as PAPER_MODEL
+from orchestrator.sim.paper import PaperConfig, run_paper_matrix
+from orchestrator.sim.replay import SKYSERVE_EVAL_PARAMS, SimConfig, SimResult, run_matrix
+from orchestrator.sim.traces import labelled_groups, load_price_table
 from policies.base import DEFAULT_POLICY, available_policies
 
 console = Console(width=None if sys.stdout.isatty() else 170)
+REPLAY_MODEL = "replay"
+MODELS = (REPLAY_MODEL, PAPER_MODEL)
 
 
 def _split(values: list[str] | None, what: str) -> list[str]:
@@ -33,50 +38,97 @@ def simulate(
     policy: list[str] = typer.Option(
         None, "--policy", help="Policy name(s), repeatable or comma-separated; 'default' = the default policy."
     ),
+    model: str = typer.Option(
+        REPLAY_MODEL, "--model",
+        help=f"'{REPLAY_MODEL}' (event-driven, with notices) or '{PAPER_MODEL}' (the SpotHedge artifact's).",
+    ),
     target: int = typer.Option(3, "--target", help="READY replicas the service wants."),
     cold_start: float = typer.Option(120.0, "--cold-start", help="Seconds from launch to READY."),
-    notice: float = typer.Option(120.0, "--notice", help="Seconds of warning before a preemption (0: none)."),
+    notice: float = typer.Option(
+        None, "--notice", help="Seconds of warning before a preemption (0: none; default: the trace's cloud's)."
+    ),
     od_price_ratio: float = typer.Option(3.0, "--od-price-ratio", help="On-demand price as a multiple of spot."),
     overprovision: int = typer.Option(
         SKYSERVE_EVAL_PARAMS.num_overprovision, "--overprovision", help="Service num_overprovision (SpotHedge's)."
     ),
     prices: Path = typer.Option(None, "--prices", help="JSON {zone | ZONE_KIND | kind: spot $/hour}."),
+    optimal: bool = typer.Option(False, "--optimal", help="Add the offline optimum (needs scipy) per trace."),
+    windows: int = typer.Option(10, "--windows", help=f"{PAPER_MODEL}: 24 h windows drawn per trace."),
+    seed: int = typer.Option(0, "--seed", help=f"{PAPER_MODEL}: the windows' and zone shuffles' seed."),
+    sample_seconds: float = typer.Option(
+        None, "--sample-seconds", help=f"{PAPER_MODEL}: seconds each trace sample lasts (default: the artifact's)."
+    ),
+    zone_order: str = typer.Option(
+        None, "--zone-order", help=f"{PAPER_MODEL}: comma-separated zones, their order before the first shuffle."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON array, one object per policy and trace."),
-    plot: Path = typer.Option(None, "--plot", help="Write a PNG of READY replicas and cost over time."),
+    plot: Path = typer.Option(None, "--plot", help="Write a PNG of READY replicas and cost over time (replay)."),
 ) -> None:
     """Replay spot traces: cost (vs all on-demand) and availability of each policy."""
     traces = _split(trace or [str(traces_dir())], "--trace")
     names = _split(policy or ["spothedge", "default"], "--policy")
+    if model not in MODELS:
+        raise UserError(f"--model must be one of {', '.join(MODELS)}, got {model!r}")
     if overprovision < 0:
         raise UserError(f"--overprovision must be >= 0, got {overprovision}")
     params = dataclasses.replace(SKYSERVE_EVAL_PARAMS, num_overprovision=overprovision)
-    config = SimConfig(
-        target=target,
-        cold_start=cold_start,
-        notice=notice,
-        od_price_ratio=od_price_ratio,
-        params=params,
-        series_points=1500 if plot else 0,
-    )
-    results = run_matrix(traces, names, config, load_price_table(prices))
+    price_table = load_price_table(prices)
+    if model == PAPER_MODEL:
+        for flag, value in (("--notice", notice), ("--plot", plot)):
+            if value is not None:
+                raise UserError(f"{flag} does not apply to --model {PAPER_MODEL} (preemptions come without notice)")
+        config = PaperConfig(
+            target=target, cold_start=cold_start, od_price_ratio=od_price_ratio, windows=windows, seed=seed,
+            sample_seconds=sample_seconds, params=params,
+            zone_order=tuple(_split([zone_order], "--zone-order")) if zone_order is not None else (),
+        )
+        results = run_paper_matrix(traces, names, config, price_table)
+    else:
+        for flag, value in (("--sample-seconds", sample_seconds), ("--zone-order", zone_order)):
+            if value is not None:
+                raise UserError(f"{flag} applies to --model {PAPER_MODEL} only")
+        config = SimConfig(
+            target=target, cold_start=cold_start, notice=notice, od_price_ratio=od_price_ratio, params=params,
+            series_points=1500 if plot else 0,
+        )
+        results = run_matrix(traces, names, config, price_table)
+    if optimal:
+        results = _with_optimum(results, traces, config, price_table, len(names))
     if plot:
         _plot(results, plot)
     if as_json:
         typer.echo(json.dumps([r.as_dict() for r in results]))
         return
-    table = Table(title=f"target {target}, cold start {cold_start:g}s, notice {notice:g}s, od {od_price_ratio:g}x")
+    notice_text = "notice per cloud" if notice is None else f"notice {notice:g}s"
+    title = f"{model}: target {target}, cold start {cold_start:g}s, od {od_price_ratio:g}x"
+    if model == REPLAY_MODEL:
+        title += f", {notice_text}"
+    table = Table(title=title)
     for col in ("trace", "policy"):
         table.add_column(col)
-    for col in ("cost ratio", "availability", "spot GPU-h", "on-demand GPU-h", "preempted", "launches"):
+    for col in ("cost ratio", "availability", "spot GPU-h", "on-demand GPU-h", "preempted", "launches",
+                "launches/preemption"):
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
             r.trace, r.policy, f"{r.cost_ratio:.3f}", f"{r.availability:.4f}", f"{r.spot_gpu_hours:,.0f}",
-            f"{r.on_demand_gpu_hours:,.0f}", str(r.preemptions), str(r.launches),
+            f"{r.on_demand_gpu_hours:,.0f}", str(r.preemptions), str(r.launches), f"{r.launches_per_preemption:.2f}",
         )
     console.print(table)
     if plot:
         console.print(f"plot written to {plot}")
+
+
+def _with_optimum(results: list[SimResult], traces, config, prices, per_trace: int) -> list[SimResult]:
+    """The results with each trace's offline optimum after its policies' rows."""
+    from orchestrator.sim.optimum import paper_optimum, replay_optimum
+
+    solve = paper_optimum if isinstance(config, PaperConfig) else replay_optimum
+    out = []
+    for i, (label, group) in enumerate(labelled_groups(traces, prices)):
+        out += results[i * per_trace : (i + 1) * per_trace]
+        out.append(solve(group, config, label))
+    return out
 
 
 def _plot(results: list[SimResult], path: Path) -> None:

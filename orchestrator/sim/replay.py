@@ -1,37 +1,12 @@
-"""Trace replay: drive placement policies through the daemon's interface on real spot traces.
+"""The replay engine: drive placement policies through the daemon's interface on spot traces.
 
-The policy objects are the very ones the controller uses (`observe(MarketEvent)` then
+The policy objects are the ones the controller uses (`observe(MarketEvent)`, then
 `decide(PolicyInput) -> Decision`), and so is the decision code around them
-(orchestrator.fleet.decisions: the policy's view of each replica, the price book, which market
-event each fact is, which removals apply and in what order). Only the provider and the
-clock are simulated:
-
-- capacity: a trace value is how many spot instances of that type the zone lets one hold
-  at that tick (0/1 single-node, up to 4 or 16 multi-node). When it falls below what is
-  held, the warned replicas go, then (unwarned) the newest ones: deterministic.
-- notices: a capacity drop at tick time T is announced `notice` seconds earlier (the sim
-  looks ahead in the trace): the replicas that will be lost turn DRAINING with deadline T.
-  A replica that comes up inside that window is warned as it comes up (shorter notice).
-- launches: a spot launch takes `attempt` seconds to be granted or refused (refused when
-  the zone already holds its capacity: a capacity_error event); a granted one is READY
-  `cold_start` seconds after it was asked for. On-demand is always granted.
-- cost: each granted replica is billed from the moment it was asked for until it ends, at
-  the zone's spot price of each tick (trace prices where present, else the price table) or
-  at its on-demand price = od_price_ratio x the zone's mean spot price over the replay.
-  cost_ratio = cost / (target x the CHEAPEST zone's on-demand price x duration): what
-  `target` on-demand replicas in the cheapest on-demand zone would cost (the ondemand
-  baseline, which therefore scores exactly 1.0).
-- availability: the fraction of time (exact, not sampled at ticks) from `cold_start` to
-  the end during which at least `target` replicas serve (READY, or warned but still up
-  until their deadline: SpotHedge cannot see notices, and the instance does serve).
-- GPU-hours: replica-hours x the GPUs the instance kind names (v100_8: 8); CPU kinds
-  (intel_64, c3-88) count instance-hours.
-- the service spec the policies see (`PolicyInput.params`) is SkyServe's evaluated
-  SpotHedge setting: num_overprovision=1, dynamic_ondemand_fallback=true.
-
-The sim calls `decide` once at every trace tick and at every moment an event happens
-(a launch granted or refused, a replica ready, a notice), never in between: nothing the
-policy can see changes in between.
+(orchestrator.fleet.decisions). Only the provider and the clock are simulated, event by
+event in continuous time: capacity from the trace, preemption notices looked up ahead in the
+trace (by default as long as the trace's cloud gives, providers.notice), 30 s launch attempts,
+a cold start, per-second billing. docs/simulator.md describes the model and its numbers.
+Called by `spotctl simulate`, the policy benchmark and the tests; `simulate()` is one run.
 """
 
 from __future__ import annotations
@@ -39,201 +14,32 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
-import json
 import math
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from orchestrator.fleet import decisions
 from orchestrator.common.errors import UserError
+from orchestrator.fleet import decisions
 from orchestrator.fleet.lifecycle import ReplicaState
+from orchestrator.sim.traces import TraceGroup, ZoneTrace, labelled_groups
 from policies.base import (
     EventKind,
     MarketEvent,
     PlacementPolicy,
     ReplicaView,
     ServiceParams,
+    UnknownPolicyError,
+    load_policy,
 )
 from providers.base import CapacityError, Location, Market, Offer, Offers
+from providers.notice import notice_seconds
 
-# Nominal spot $/hour per instance kind (file-name suffix) for traces without prices.
-# cost_ratio depends only on ratios, so these matter only where zones differ; p3.2xlarge's
-# 0.918 is the constant price the aws-04-22-2023 trace itself records.
-DEFAULT_SPOT_PRICES = {
-    "v100_1": 0.918,
-    "v100_8": 7.344,
-    "k80_1": 0.27,
-    "k80_8": 2.16,
-    "intel_64": 1.30,
-    "c3-88": 1.40,
-}
-FALLBACK_SPOT_PRICE = 1.0
+__all__ = ["SKYSERVE_EVAL_PARAMS", "SimConfig", "SimResult", "Simulation", "TraceGroup", "ZoneTrace",
+           "check_policies", "run_matrix", "simulate"]
+
 SKYSERVE_EVAL_PARAMS = ServiceParams(num_overprovision=1, dynamic_ondemand_fallback=True)
-GPU_KINDS = ("v100", "k80", "a100", "h100", "t4", "l4", "a10g")
 # A spot launch into a zone already holding its trace capacity: what the cloud would raise.
 _REFUSED = decisions.launch_failed(CapacityError("the zone holds its trace capacity"))
-
-
-# ---------------------------------------------------------------- traces
-
-
-@dataclasses.dataclass(frozen=True)
-class ZoneTrace:
-    location: Location
-    capacity: list[int]
-    spot_prices: list[float]  # $/hour per tick, same length as capacity
-
-
-@dataclasses.dataclass(frozen=True)
-class TraceGroup:
-    """One folder (or one instance kind of a mixed folder): the zones a policy chooses from."""
-
-    name: str
-    gap: float
-    kind: str
-    zones: list[ZoneTrace]
-
-    @property
-    def ticks(self) -> int:
-        return len(self.zones[0].capacity)
-
-    @property
-    def duration(self) -> float:
-        return self.ticks * self.gap
-
-    @property
-    def gpus_per_replica(self) -> int:
-        """GPUs per instance from the kind (v100_8 -> 8); CPU kinds count instances."""
-        m = re.fullmatch(r"([a-z0-9]+)_(\d+)", self.kind)
-        return int(m.group(2)) if m and m.group(1) in GPU_KINDS else 1
-
-
-def _split_stem(path: Path) -> tuple[str, str]:
-    zone, _, kind = path.stem.partition("_")  # zone names hold no underscore
-    if not zone or not kind:
-        raise UserError(f"{path}: file name must be ZONE_KIND.json (e.g. us-east-1a_v100_1.json)")
-    return zone, kind
-
-
-def _location(cloud: str, zone: str) -> Location:
-    # AWS zones end in a letter after the region (us-east-1a); GCP's after a dash (us-east1-b).
-    region = zone.rsplit("-", 1)[0] if re.search(r"-[a-z]$", zone) else zone[:-1]
-    return Location(cloud, region, zone)
-
-
-def _read_json(path: Path) -> tuple[float, list[int], list[float] | None]:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: cannot read: {err}") from None
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}: malformed JSON: {err}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
-        raise UserError(f'{path}: expected an object with a "data" list')
-    gap = (doc.get("metadata") or {}).get("gap_seconds")
-    if not isinstance(gap, (int, float)) or gap <= 0:
-        raise UserError(f"{path}: metadata.gap_seconds must be a positive number")
-    data = doc["data"]
-    if not data or not all(isinstance(v, int) and v >= 0 for v in data):
-        raise UserError(f"{path}: data must be a non-empty list of counts (integers >= 0)")
-    prices = doc.get("prices")
-    if prices is not None:
-        if not isinstance(prices, list) or not all(p is None or isinstance(p, (int, float)) for p in prices):
-            raise UserError(f"{path}: prices must be a list of numbers")
-        prices = _fill_prices(prices)
-    return float(gap), data, prices
-
-
-def _fill_prices(prices: list) -> list[float] | None:
-    """Carry the last known price over gaps (None); None if the file knows no price at all."""
-    known = [p for p in prices if p is not None]
-    if not known:
-        return None
-    out, last = [], known[0]
-    for p in prices:
-        last = p if p is not None else last
-        out.append(float(last))
-    return out
-
-
-def load_price_table(path: str | Path | None) -> dict[str, float]:
-    """A JSON object: zone, ZONE_KIND file stem or kind -> spot $/hour (most specific wins)."""
-    if path is None:
-        return {}
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as err:
-        raise UserError(f"price file {path}: cannot read: {err}") from None
-    except json.JSONDecodeError as err:
-        raise UserError(f"price file {path}: malformed JSON: {err}") from None
-    if not isinstance(doc, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in doc.values()):
-        raise UserError(f"price file {path}: expected an object of name -> positive $/hour")
-    return {str(k): float(v) for k, v in doc.items()}
-
-
-def _cloud_of(folder: Path) -> str:
-    head = folder.name.split("-", 1)[0].lower()
-    return head if head in ("aws", "gcp", "azure", "local") else "aws"
-
-
-def load_groups(folder: str | Path, prices: dict[str, float] | None = None) -> list[TraceGroup]:
-    """The trace groups of one folder: one per instance kind, each cut to the common prefix."""
-    folder = Path(folder)
-    files = sorted(folder.glob("*.json"))
-    if not files:
-        raise UserError(f"trace folder {folder}: no *.json trace files")
-    prices = prices or {}
-    by_kind: dict[str, list[tuple[str, Path]]] = {}
-    for f in files:
-        zone, kind = _split_stem(f)
-        by_kind.setdefault(kind, []).append((zone, f))
-    cloud = _cloud_of(folder)
-    groups = []
-    for kind, members in sorted(by_kind.items()):
-        raw = [(zone, f, *_read_json(f)) for zone, f in members]
-        gaps = {gap for _, _, gap, _, _ in raw}
-        if len(gaps) != 1:
-            raise UserError(f"trace folder {folder}: files of kind {kind} disagree on gap_seconds {sorted(gaps)}")
-        length = min(len(data) for _, _, _, data, _ in raw)
-        zones = []
-        for zone, f, _gap, data, file_prices in raw:
-            if file_prices is not None and len(file_prices) >= length:
-                spot = file_prices[:length]
-            else:
-                base = prices.get(f.stem) or prices.get(zone) or prices.get(kind)
-                spot = [base or DEFAULT_SPOT_PRICES.get(kind, FALLBACK_SPOT_PRICE)] * length
-            zones.append(ZoneTrace(_location(cloud, zone), list(data[:length]), spot))
-        name = folder.name if len(by_kind) == 1 else f"{folder.name}[{kind}]"
-        groups.append(TraceGroup(name, gaps.pop(), kind, zones))
-    return groups
-
-
-def expand_trace_dirs(paths: Iterable[str | Path]) -> list[tuple[Path, Path | None]]:
-    """(trace folder, the folder it was found under) for each path: a trace folder itself
-    (root None), or a folder whose sub-folders at any depth hold trace folders."""
-    out: list[tuple[Path, Path | None]] = []
-    for p in paths:
-        p = Path(p)
-        if not p.is_dir():
-            raise UserError(f"trace folder {p}: no such directory")
-        if any(p.glob("*.json")):
-            out.append((p, None))
-            continue
-        found = sorted({f.parent for f in p.rglob("*.json")})
-        if not found:
-            raise UserError(f"trace folder {p}: no *.json trace files in it or below it")
-        out.extend((f, p) for f in found)
-    return out
-
-
-def group_label(group: TraceGroup, folder: Path, root: Path | None) -> str:
-    """A readable name: the folder relative to the folder it was found under, if any."""
-    if root is None:
-        return group.name
-    parent = folder.parent.relative_to(root)
-    return group.name if str(parent) == "." else f"{parent.as_posix()}/{group.name}"
 
 
 # ---------------------------------------------------------------- the simulated world
@@ -243,7 +49,7 @@ def group_label(group: TraceGroup, folder: Path, root: Path | None) -> str:
 class SimConfig:
     target: int = 3
     cold_start: float = 120.0
-    notice: float = 120.0
+    notice: float | None = None  # None: the notice the trace's cloud gives (providers.notice)
     od_price_ratio: float = 3.0
     attempt: float = 30.0  # how long a spot launch takes to be granted or refused
     # What the service spec says (SkyServe's replica_policy); SkyServe's SpotHedge evaluation.
@@ -254,10 +60,14 @@ class SimConfig:
         if self.target < 1:
             raise UserError(f"--target must be >= 1, got {self.target}")
         for name in ("cold_start", "notice", "attempt"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.od_price_ratio <= 0:
             raise UserError(f"--od-price-ratio must be > 0, got {self.od_price_ratio}")
+
+    def notice_for(self, group: TraceGroup) -> float:
+        """The notice a replay of `group` gives: the configured one, else its cloud's."""
+        return self.notice if self.notice is not None else notice_seconds(group.cloud)
 
 
 @dataclasses.dataclass
@@ -275,6 +85,11 @@ class SimResult:
     cost: float
     on_demand_baseline_cost: float
     simulated_seconds: float
+    # Granted launches after the first decision per replica lost to the cloud: a replacement
+    # and at most one cover each is 2 at most; 0.0 without preemptions.
+    launches_per_preemption: float = 0.0
+    notice_s: float = 0.0
+    model: str = "replay"
     series: list[tuple[float, int, float]] = dataclasses.field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict:
@@ -308,6 +123,7 @@ class Simulation:
 
     def __init__(self, group: TraceGroup, policy: PlacementPolicy, config: SimConfig, label: str | None = None):
         self.g, self.policy, self.cfg = group, policy, config
+        self.notice = config.notice_for(group)
         self.label = label or group.name
         self.locations = [z.location for z in group.zones]
         self.zone_of = {loc: i for i, loc in enumerate(self.locations)}
@@ -335,6 +151,7 @@ class Simulation:
         self.held = [0] * len(group.zones)  # granted spot replicas alive per zone
         self.pending_events: list[MarketEvent] = []
         self.stats = {"preemptions": 0, "launches": 0, "capacity_errors": 0, "notices": 0}
+        self.later_grants = 0  # granted launches asked for after t=0 (churn per preemption)
         self.closed_cost = 0.0
         self.gpu_seconds = {Market.SPOT: 0.0, Market.ON_DEMAND: 0.0}
         self._offers: Offers | None = None  # the price book, rebuilt only when prices change
@@ -426,11 +243,13 @@ class Simulation:
             self._apply(r, _REFUSED, t)
             return
         r.granted = True
+        if r.asked_at > 0:
+            self.later_grants += 1
         if r.market is Market.SPOT:
             self.held[r.zone] += 1
         self._apply(r, decisions.LAUNCH_GRANTED, t)
         self._push(max(t, r.asked_at + self.cfg.cold_start), _READY, r.rid)
-        if r.market is Market.SPOT and self.cfg.notice > 0:
+        if r.market is Market.SPOT and self.notice > 0:
             self._warn_zone(r.zone, t)  # came up inside a notice window: warned at once
 
     def _ready(self, r: _Replica, t: float) -> None:
@@ -444,7 +263,7 @@ class Simulation:
         """Warn the replicas that the zone's capacity drops within the notice window will take."""
         gap, drops, cap = self.g.gap, self.drops[zone], self.g.zones[zone].capacity
         lo = bisect.bisect_right(drops, t / gap)
-        hi = bisect.bisect_right(drops, (t + self.cfg.notice) / gap)
+        hi = bisect.bisect_right(drops, (t + self.notice) / gap)
         for j in drops[lo:hi]:
             deadline = j * gap
             if deadline <= t:
@@ -473,11 +292,9 @@ class Simulation:
         gap, end = g.gap, g.duration
         # Look-ahead moments (a drop's time minus the notice); earlier ones than the start are
         # covered by warning each replica as it comes up.
+        notice = self.notice
         notice_checks = sorted(
-            (j * gap - cfg.notice, z)
-            for z, ds in enumerate(self.drops)
-            for j in ds
-            if cfg.notice > 0 and j * gap - cfg.notice >= 0
+            (j * gap - notice, z) for z, ds in enumerate(self.drops) for j in ds if notice > 0 and j * gap - notice >= 0
         )
         nc = 0
         tick = 0
@@ -533,6 +350,8 @@ class Simulation:
             cost=self.closed_cost,
             on_demand_baseline_cost=baseline,
             simulated_seconds=end,
+            launches_per_preemption=self.later_grants / self.stats["preemptions"] if self.stats["preemptions"] else 0.0,
+            notice_s=notice,
             series=series,
             **self.stats,
         )
@@ -581,7 +400,21 @@ def _newest_first(replicas: Iterable[_Replica]) -> list[_Replica]:
 def simulate(
     group: TraceGroup, policy: PlacementPolicy, config: SimConfig | None = None, label: str | None = None
 ) -> SimResult:
+    """One replay of `policy` on `group`. Raises UserError if the policy launches in a zone
+    the trace lacks."""
     return Simulation(group, policy, config or SimConfig(), label).run()
+
+
+def check_policies(policy_names: Sequence[str]) -> None:
+    """Raises UserError for a name that is not a registered policy or that fails to load,
+    so that a bad name fails before any replay."""
+    for name in policy_names:
+        try:
+            load_policy(name)
+        except UnknownPolicyError as err:
+            raise UserError(str(err)) from None
+        except Exception as err:  # a third-party plugin that does not load
+            raise UserError(f"policy {name!r} failed to load: {type(err).__name__}: {err}") from None
 
 
 def run_matrix(
@@ -590,20 +423,11 @@ def run_matrix(
     config: SimConfig,
     prices: dict[str, float] | None = None,
 ) -> list[SimResult]:
-    """Every policy on every trace group under `trace_dirs` (each run with a fresh policy)."""
-    from policies.base import UnknownPolicyError, load_policy
-
-    for name in policy_names:  # fail on a bad name before any replay
-        try:
-            load_policy(name)
-        except UnknownPolicyError as err:
-            raise UserError(str(err)) from None
-        except Exception as err:  # a third-party plugin that does not load
-            raise UserError(f"policy {name!r} failed to load: {type(err).__name__}: {err}") from None
-    results = []
-    for folder, root in expand_trace_dirs(trace_dirs):
-        for group in load_groups(folder, prices):
-            label = group_label(group, folder, root)
-            for name in policy_names:
-                results.append(simulate(group, load_policy(name), config, label))
-    return results
+    """Every policy on every trace group under `trace_dirs` (each run with a fresh policy).
+    Raises UserError for a bad policy name or trace folder."""
+    check_policies(policy_names)
+    return [
+        simulate(group, load_policy(name), config, label)
+        for label, group in labelled_groups(trace_dirs, prices)
+        for name in policy_names
+    ]

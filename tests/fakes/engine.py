@@ -1,11 +1,13 @@
 """A stand-in for vLLM in control-plane tests: a real HTTP server process on --port that
 answers /health and OpenAI-shaped /v1/completions. Used where the test is about the
-control plane (reconcile, probes, the API), not about the engine."""
+control plane (reconcile, probes, the API), not about the engine. `--ready-after S` makes
+/health answer 503 for the first S seconds (a cold start)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -13,7 +15,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", default="fake")
+    parser.add_argument("--ready-after", type=float, default=0.0)
     opts, _ = parser.parse_known_args()
+    started = time.monotonic()
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):  # quiet
@@ -29,7 +33,8 @@ def main() -> None:
 
         def do_GET(self):
             if self.path == "/health":
-                self._json(200, {"ok": True})
+                warm = time.monotonic() - started >= opts.ready_after
+                self._json(200 if warm else 503, {"ok": warm})
             elif self.path == "/v1/models":
                 self._json(200, {"object": "list", "data": [{"id": opts.name, "object": "model"}]})
             else:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from orchestrator.sim.replay import SimConfig, load_groups, simulate
+from orchestrator.sim.replay import SimConfig, simulate
+from orchestrator.sim.traces import load_groups
 from policies.base import EventKind, MarketEvent, Phase, PolicyInput, ReplicaView, ServiceParams
 from policies.spothedge import LocationStatus, SpotHedgePolicy
 from providers.base import Location, Market, Offer, Offers

@@ -10,15 +10,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.common.errors import UserError
-from orchestrator.sim.replay import (
-    DEFAULT_SPOT_PRICES,
-    SimConfig,
-    expand_trace_dirs,
-    load_groups,
-    load_price_table,
-    run_matrix,
-    simulate,
-)
+from orchestrator.sim.replay import SimConfig, run_matrix, simulate
+from orchestrator.sim.traces import DEFAULT_SPOT_PRICES, expand_trace_dirs, load_groups, load_price_table
 from policies.base import Decision, EventKind, MarketEvent, Phase, PlacementPolicy, PolicyInput
 from policies.cheapest import CheapestZonePolicy
 from policies.ondemand import OnDemandPolicy
@@ -93,6 +86,7 @@ def test_preemption_notice_capacity_errors_and_cost_by_hand(tmp_path):
     assert rec.times(EventKind.LAUNCHED)[1] == 2400.0
     assert rec.times(EventKind.READY)[1] == 2370.0 + 120.0
     assert (r.preemptions, r.capacity_errors, r.launches, r.notices) == (1, 39, 41, 1)
+    assert r.launches_per_preemption == 1.0  # one granted relaunch for one replica lost
     # Up from 120 to 1200 and from 2490 to the end (3600): availability over [120, 3600).
     assert r.availability == pytest.approx((1080 + 1110) / 3480)
     # Billed from the ask until the end: [0, 1200] and [2370, 3600]; refused asks cost nothing.
@@ -100,6 +94,16 @@ def test_preemption_notice_capacity_errors_and_cost_by_hand(tmp_path):
     assert r.cost == pytest.approx(price * (1200 + 1230) / 3600)
     assert r.cost_ratio == pytest.approx((1200 + 1230) / (3 * 3600))
     assert r.spot_gpu_hours == pytest.approx((1200 + 1230) / 3600)
+
+
+@pytest.mark.parametrize("folder, notice", [("gcp-x", 30.0), ("azure-x", 30.0), ("aws-x", 120.0), ("mine", 120.0)])
+def test_the_notice_is_the_trace_clouds_unless_configured(tmp_path, folder, notice):
+    write_trace(tmp_path / folder, "us-east-1a_v100_1", [1, 1, 0, 0])
+    (group,) = load_groups(tmp_path / folder)
+    rec = Recorder(CheapestZonePolicy())
+    r = simulate(group, rec, SimConfig(target=1))
+    assert r.notice_s == notice and rec.times(EventKind.NOTICE) == [1200.0 - notice]
+    assert simulate(group, CheapestZonePolicy(), SimConfig(target=1, notice=0.0)).notices == 0
 
 
 def test_replica_that_comes_up_inside_the_notice_window_is_warned_at_once(tmp_path):
@@ -216,10 +220,18 @@ def test_cli_json_plot_and_errors(tmp_path):
     rows = json.loads(out.stdout)
     assert [r["policy"] for r in rows] == ["spothedge", "hazard_hedge", "ondemand"]
     keys = {"policy", "trace", "cost_ratio", "availability", "spot_gpu_hours", "on_demand_gpu_hours",
-            "preemptions", "launches"}
+            "preemptions", "launches", "launches_per_preemption", "notice_s", "model"}
     assert all(keys <= set(r) for r in rows)
     assert rows[2]["cost_ratio"] == pytest.approx(1.0)
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    paper = _spotctl("simulate", "--model", "spothedge-paper", "--trace", str(folder), "--policy", "spothedge",
+                     "--windows", "2", "--target", "1", "--optimal", "--json")
+    assert paper.returncode == 0, paper.stderr
+    rows = json.loads(paper.stdout)
+    assert [(r["policy"], r["model"]) for r in rows] == [("spothedge", "spothedge-paper"),
+                                                         ("optimal", "spothedge-paper")]
+    assert rows[1]["cost_ratio"] <= rows[0]["cost_ratio"] and rows[1]["availability"] == 1.0
 
     table = _spotctl("simulate", "--trace", str(folder), "--policy", "ondemand")
     assert table.returncode == 0 and "ondemand" in table.stdout and "1.000" in table.stdout
@@ -228,6 +240,9 @@ def test_cli_json_plot_and_errors(tmp_path):
         (("--trace", str(tmp_path / "missing"), "--policy", "ondemand"), "no such directory"),
         (("--trace", str(folder), "--policy", "nope"), "unknown policy"),
         (("--trace", str(folder), "--policy", "ondemand", "--target", "0"), "--target"),
+        (("--trace", str(folder), "--policy", "ondemand", "--model", "bogus"), "--model must be one of"),
+        (("--trace", str(folder), "--model", "spothedge-paper", "--notice", "5"), "--notice does not apply"),
+        (("--trace", str(folder), "--zone-order", "us-east-1a"), "--zone-order applies to"),
     ]:
         bad = _spotctl("simulate", *args)
         assert bad.returncode == 2, bad.stderr
