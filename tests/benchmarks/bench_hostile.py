@@ -36,17 +36,6 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO))
 
-SPEC = """
-name: {name}
-service:
-  readiness_probe: {{path: /health, initial_delay_seconds: 60}}
-  replicas: 1
-resources: {{cloud: local, use_spot: true}}
-engine: {{model: tiny}}
-kv: {{enabled: false}}
-"""
-
-
 class Tracebacks(logging.Handler):
     """Counts log records that carry a traceback, and uncaught thread exceptions."""
 
@@ -67,7 +56,7 @@ class Tracebacks(logging.Handler):
 
 def flood(port: int, count: int, seconds: float, ready: str, reopen_per_s: int) -> None:
     """Child process: hold `count` idle connections to 127.0.0.1:port for `seconds`, opening a new
-    one for each the server closes (at most `reopen_per_s` a second)."""
+    one for each the server closes (`reopen_per_s` a second, spread evenly)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     sel = selectors.DefaultSelector()
@@ -86,7 +75,7 @@ def flood(port: int, count: int, seconds: float, ready: str, reopen_per_s: int) 
     reopened, pending, last, deadline = 0, 0, time.monotonic(), time.monotonic() + seconds
     while time.monotonic() < deadline:
         closed = []
-        for key, _ in sel.select(timeout=1.0):
+        for key, _ in sel.select(timeout=0.05):  # reopen steadily, not in bursts
             try:
                 gone = key.fileobj.recv(1 << 16) == b""
             except OSError:
@@ -178,36 +167,11 @@ def main() -> None:
 
     from orchestrator.control import auth
     from orchestrator.control.api import create_app
-    from orchestrator.control.daemon import Daemon, DaemonServer
-    from orchestrator.control.launch import ReplicaLauncher, kv_secret_file
-    from orchestrator.control.store import Store
-    from providers.base import LaunchRequest
-    from providers.local import LocalProvider
+    from orchestrator.control.launch import kv_secret_file
+    from tests.fakes.standin import SPEC, services_running
 
-    class StandIn(ReplicaLauncher):
-        def request(self, spec, row, offer, runtime) -> LaunchRequest:
-            return LaunchRequest(service=spec.name, replica_id=row.replica_id, location=offer.location,
-                                 market=offer.market, instance_type="",
-                                 command=[sys.executable, str(REPO / "tests" / "fakes" / "upstream.py"),
-                                          "--port", "{port}", "--name", spec.name])
-
-    daemon = Daemon(store=Store(), launcher=StandIn())
-    server = DaemonServer(daemon, "127.0.0.1", 0)
-    server.start_in_thread()
-    operator = httpx.Client(base_url=daemon.url, headers={"Authorization": f"Bearer {daemon.token}"}, timeout=60)
-    endpoints, replicas = {}, {}
-    try:
-        for name in ("alpha", "beta"):
-            endpoints[name] = operator.post("/v1/services", json={"yaml": SPEC.format(name=name)}).json()["endpoint"]
-        deadline = time.monotonic() + 120
-        while len(replicas) < 2 and time.monotonic() < deadline:
-            for name in ("alpha", "beta"):
-                ready = [r for r in operator.get(f"/v1/services/{name}").json()["replicas"] if r["state"] == "READY"]
-                if ready:
-                    replicas[name] = ready[0]
-            time.sleep(0.5)
-        if len(replicas) < 2:
-            raise SystemExit("the services did not become ready")
+    with services_running(Path(home), ("alpha", "beta")) as (daemon, operator, replicas):
+        endpoints = {name: operator.get(f"/v1/services/{name}").json()["endpoint"] for name in replicas}
         beta = {"kv": kv_secret_file("beta").read_text().strip(),
                 "replica": auth.replica_token_for(daemon.store.get_replica(replicas["beta"]["replica_id"]))}
         results = {"cases": 0, "server_errors": 0, "cross_service_ok": 0}
@@ -294,7 +258,7 @@ def main() -> None:
                                   "--flood-child", str(port), str(count), str(ready)])
         while not ready.exists() and child.poll() is None:
             time.sleep(0.2)
-        time.sleep(2.0)  # the LB accepts the backlog
+        time.sleep(5.0)  # the opening burst is over: now the flood is held
         guard = daemon.lbs["alpha"].guard
         flooded = {"lb": p99_ms(lb_health, args.probes), "daemon": p99_ms(api_health, args.probes)}
         held_by_lb = len(guard)
@@ -302,12 +266,6 @@ def main() -> None:
         flood_stats = json.loads(ready.read_text())
         after = operator.get("/v1/services/alpha").json()
         alive = [r["state"] for r in after["replicas"]] == ["READY"]
-    finally:
-        for name in list(endpoints):
-            operator.delete(f"/v1/services/{name}")
-        time.sleep(3)
-        server.stop()
-        LocalProvider().close()
     out = {
         "cases": results["cases"], "tracebacks": counter.count, "server_errors": results["server_errors"],
         "cross_service_ok": results["cross_service_ok"],

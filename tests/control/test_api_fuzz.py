@@ -12,9 +12,7 @@ from hypothesis import strategies as st
 
 from orchestrator.control import auth
 from orchestrator.control.api import create_app
-from tests.control.test_daemon import FakeEngineLauncher
-from tests.control.test_isolation import SPEC
-from tests.helpers import running_daemon, wait_for
+from tests.fakes.standin import services_running
 
 pytestmark = pytest.mark.timeout(300)
 KEPT = "kept"
@@ -22,21 +20,14 @@ KEPT = "kept"
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    home = tmp_path_factory.mktemp("fuzz-home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPOT_ORCHESTRATOR_HOME", str(home))
-        with running_daemon(mp, launcher=FakeEngineLauncher()) as (d, client):
-            assert client.post("/v1/services", json={"yaml": SPEC.format(name=KEPT)}).status_code == 200
-            wait_for(lambda: any(r["state"] == "READY" for r in client.get(f"/v1/services/{KEPT}").json()["replicas"]),
-                     60, "a READY replica")
-            before = client.get(f"/v1/services/{KEPT}").json()
-            replica = d.store.get_replica(before["replicas"][0]["replica_id"])
-            schema = schemathesis.openapi.from_dict(create_app(d).openapi())
-            operations = [result.ok() for result in schema.get_all_operations()]
-            yield d, client, before, auth.replica_token_for(replica), operations
-            after = client.get(f"/v1/services/{KEPT}").json()
-            assert after["status"] == before["status"] and after["replicas"][0]["replica_id"] == \
-                before["replicas"][0]["replica_id"]
+    with services_running(tmp_path_factory.mktemp("fuzz-home"), (KEPT,)) as (d, client, replicas):
+        before = client.get(f"/v1/services/{KEPT}").json()
+        schema = schemathesis.openapi.from_dict(create_app(d).openapi())
+        operations = [result.ok() for result in schema.get_all_operations()]
+        yield d, client, before, auth.replica_token_for(d.store.get_replica(replicas[KEPT]["replica_id"])), operations
+        after = client.get(f"/v1/services/{KEPT}").json()
+        assert after["status"] == before["status"]
+        assert after["replicas"][0]["replica_id"] == before["replicas"][0]["replica_id"]
 
 
 def _touches_the_kept_service(case) -> bool:

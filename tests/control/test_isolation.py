@@ -16,38 +16,15 @@ from orchestrator.common import identity
 from orchestrator.control import auth
 from orchestrator.control.api import create_app
 from orchestrator.control.launch import kv_secret_file
-from tests.control.test_daemon import FakeEngineLauncher
-from tests.helpers import running_daemon, wait_for
-
-SPEC = """
-name: {name}
-service:
-  readiness_probe: {{path: /health, initial_delay_seconds: 60}}
-  replicas: 1
-resources: {{cloud: local, use_spot: true}}
-engine: {{model: tiny}}
-kv: {{enabled: false}}
-"""
-
+from tests.fakes.standin import SPEC, services_running
 
 @pytest.fixture(scope="module")
 def two_services(tmp_path_factory):
-    home = tmp_path_factory.mktemp("iso-home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPOT_ORCHESTRATOR_HOME", str(home))
-        with running_daemon(mp, launcher=FakeEngineLauncher()) as (d, client):
-            for name in ("alpha", "beta"):
-                assert client.post("/v1/services", json={"yaml": SPEC.format(name=name)}).status_code == 200
-            replicas = {}
-            for name in ("alpha", "beta"):
-                svc = wait_for(lambda name=name: (lambda s: s if any(r["state"] == "READY" for r in s["replicas"])
-                                                  else None)(client.get(f"/v1/services/{name}").json()),
-                               60, f"a READY replica of {name}")
-                replicas[name] = next(r for r in svc["replicas"] if r["state"] == "READY")
-            creds = {name: {"kv": kv_secret_file(name).read_text().strip(),
-                            "replica": auth.replica_token_for(d.store.get_replica(replicas[name]["replica_id"]))}
-                     for name in replicas}
-            yield d, client, replicas, creds
+    with services_running(tmp_path_factory.mktemp("iso-home"), ("alpha", "beta")) as (d, client, replicas):
+        creds = {name: {"kv": kv_secret_file(name).read_text().strip(),
+                        "replica": auth.replica_token_for(d.store.get_replica(replicas[name]["replica_id"]))}
+                 for name in replicas}
+        yield d, client, replicas, creds
 
 
 def bearer(token: str) -> dict:
