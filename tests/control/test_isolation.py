@@ -151,3 +151,22 @@ def test_events_of_an_unknown_service_is_404_and_state_files_are_private(two_ser
     for path in [home / "state.db", home / "token", *(home / "logs").glob("*.log"), *(home / "services").rglob("*")]:
         if path.is_file():
             assert path.stat().st_mode & 0o077 == 0, path
+
+
+def test_a_booting_vm_redeems_its_replicas_own_token_once(two_services):
+    from orchestrator.control.wheel import version
+
+    d, _client, replicas, creds = two_services
+    alpha = replicas["alpha"]
+    token = d.bootstrap.issue("alpha", alpha["replica_id"])
+    body = {"instance_id": alpha["instance_id"], "version": version()}
+    r = httpx.post(d.url + "/v1/bootstrap/redeem", json=body, headers={"Authorization": f"Bootstrap {token}"})
+    assert r.status_code == 200, r.text
+    granted = r.json()
+    replica_token = granted["env"][identity.REPLICA_TOKEN_ENV]
+    assert identity.parse(replica_token).replica_id == alpha["replica_id"]
+    assert granted["kv_secret"] != creds["beta"]["kv"]
+    assert httpx.get(d.url + "/v1/services/alpha/stores", headers=bearer(replica_token)).status_code == 200
+    assert httpx.get(d.url + "/v1/services/beta/stores", headers=bearer(replica_token)).status_code == 403
+    again = httpx.post(d.url + "/v1/bootstrap/redeem", json=body, headers={"Authorization": f"Bootstrap {token}"})
+    assert again.status_code == 401
