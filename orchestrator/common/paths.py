@@ -1,7 +1,10 @@
 """Where the control plane keeps its files: state database, token, logs, model cache.
 
 One setting moves all of it: SPOT_ORCHESTRATOR_HOME (default ~/.local/state/spot-orchestrator,
-or $XDG_STATE_HOME/spot-orchestrator). Tests point it at a temporary folder.
+or $XDG_STATE_HOME/spot-orchestrator). Tests point it at a temporary folder. It holds secrets
+(tokens, KV secrets, identity keys) and logs that may quote requests: the folder is kept 0700, and
+the first call of `home()` in a process sets its umask to 077, so that every file the process
+creates from then on (the database, logs, records) is 0600 and every folder 0700.
 """
 
 from __future__ import annotations
@@ -10,6 +13,14 @@ import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+_private = False
+
+
+def _private_files() -> None:
+    global _private
+    if not _private:
+        os.umask(os.umask(0o077) | 0o077)
+        _private = True
 
 
 def home() -> Path:
@@ -19,7 +30,13 @@ def home() -> Path:
     else:
         base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
         path = base / "spot-orchestrator"
-    path.mkdir(parents=True, exist_ok=True)
+    _private_files()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        if path.stat().st_mode & 0o077:  # made by an older version, or by hand
+            path.chmod(0o700)
+    except OSError:  # not ours to change: it is still where the state lives
+        pass
     return path
 
 

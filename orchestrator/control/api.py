@@ -1,4 +1,7 @@
-"""The daemon's HTTP API (FastAPI). Every route but /v1/health needs the bearer token.
+"""The daemon's HTTP API (FastAPI). Every route but /v1/health and /v1/bootstrap/* needs a bearer
+credential, checked before the body is read (orchestrator.control.gate): the operator's token for
+every route; a replica's own token (or, for membership only, its service's KV secret) for the two
+replica routes, and then only for its own service and, for notices, its own instance.
 
 Routes (JSON in and out; errors are {"detail": "<one line>"}):
     GET    /v1/health
@@ -11,56 +14,80 @@ Routes (JSON in and out; errors are {"detail": "<one line>"}):
     GET    /v1/events                   ?service=&limit=&since=
     POST   /v1/notices                  {"instance_id", "kind", "deadline", "source"} (agents)
     POST   /v1/chaos/preempt            {"replica_id" | "zone", "grace_s"}
+    GET    /v1/bootstrap/wheel, POST /v1/bootstrap/redeem      (a booting VM, with its bootstrap token)
+Errors are {"detail": "<one line>"}: 400/422 for bad input, 401/403 for credentials, 404, 413.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from orchestrator.common import identity
 from orchestrator.control import auth
+from orchestrator.control.gate import Gate
 from orchestrator.common.errors import UserError
 from orchestrator.fleet.lifecycle import ReplicaState
 from orchestrator.control.bootstrap import BootstrapError
 from orchestrator.control.launch import kv_secret_file
 from orchestrator.control.wheel import own_wheel
 from orchestrator.control.wheel import version as wheel_version
-from orchestrator.spec import ServiceSpec, load_spec, spec_from_json
+from orchestrator.spec import ServiceSpec, load_spec_text, spec_from_json
 from orchestrator.control.store import ReplicaRow, ServiceRow
 from policies.base import DEFAULT_POLICY
 from providers.base import Notice, NoticeKind
 
 
-class ServiceUp(BaseModel):
+log = logging.getLogger(__name__)
+
+NOTICE_HORIZON_S = 86400.0  # no cloud warns a day ahead; a later deadline is a mistake or an attack
+_NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")  # the spec's service names
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class ServiceUp(_Body):
     yaml: str = Field(min_length=1)
     name: str | None = None
     # Values for the spec's `envs` (`spotctl up --env K=V`, or the user's environment).
     envs: dict[str, str] = Field(default_factory=dict)
 
 
-class BootstrapRedeem(BaseModel):
+class BootstrapRedeem(_Body):
     instance_id: str = Field(min_length=1)
     version: str = Field(min_length=1)  # the replica runtime's: it must be the daemon's
 
 
-class NoticeIn(BaseModel):
-    instance_id: str = Field(min_length=1)
+class NoticeIn(_Body):
+    instance_id: str = Field(min_length=1, max_length=256)
     kind: NoticeKind = NoticeKind.PREEMPT
-    deadline: float
-    source: str = "agent"
+    deadline: float = Field(ge=0)
+    source: str = Field(default="agent", max_length=64)
+
+    @field_validator("deadline")
+    @classmethod
+    def _within_a_day(cls, value: float) -> float:
+        if value > time.time() + NOTICE_HORIZON_S:
+            raise ValueError("more than a day ahead")
+        return value
 
 
-class ChaosPreempt(BaseModel):
+class ChaosPreempt(_Body):
     replica_id: str | None = None
     zone: str | None = None
     service: str | None = None
-    grace_s: float = Field(default=30.0, ge=0)
+    grace_s: float = Field(default=30.0, ge=0, le=NOTICE_HORIZON_S)
 
 
 def replica_json(r: ReplicaRow) -> dict[str, Any]:
@@ -89,6 +116,9 @@ def with_envs(spec: ServiceSpec, values: dict[str, str]) -> ServiceSpec:
     """The spec with its `envs` filled from `values`; raises UserError naming an env that the
     spec leaves empty (null) and no value fills."""
     envs = dict(spec.task.get("envs") or {})
+    for key, value in values.items():
+        if not _ENV_NAME.match(key) or "\0" in value:
+            raise UserError(f"envs: {key[:64]!r} is not a variable name (letters, digits, '_') with a value")
     envs.update(values)  # a K the spec does not list is added, as SkyPilot does
     missing = sorted(k for k, v in envs.items() if v is None)
     if missing:
@@ -123,25 +153,10 @@ def service_json(row: ServiceRow, replicas: list[ReplicaRow]) -> dict[str, Any]:
 def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon (no import cycle)
     app = FastAPI(title="spot-orchestrator daemon", docs_url=None, redoc_url=None)
 
-    def presented_token(request: Request) -> str | None:
-        header = request.headers.get("authorization", "")
-        return header[7:] if header.lower().startswith("bearer ") else None
+    app.add_middleware(Gate, operator_token=lambda: daemon.token, store=lambda: daemon.store)
 
-    def require_token(request: Request) -> None:
-        if not auth.token_matches(presented_token(request), daemon.token):
-            raise HTTPException(401, "missing or wrong bearer token (see the token file in the state directory)")
-
-    def require_replica_credential(request: Request) -> None:
-        """Replicas report notices and read their service's shard stores with the service's
-        KV secret: a replica machine never holds the daemon's admin token."""
-        presented = presented_token(request)
-        if auth.token_matches(presented, daemon.token):
-            return
-        for row in daemon.store.list_services():
-            secret = kv_secret_file(row.name)
-            if secret.exists() and auth.token_matches(presented, secret.read_text().strip()):
-                return
-        raise HTTPException(401, "missing or wrong bearer token (the daemon token or the service's KV secret)")
+    def caller(request: Request) -> auth.Caller:
+        return request.state.caller  # set by the gate on every route that needs a credential
 
     @app.exception_handler(UserError)
     async def user_error(_: Request, err: UserError) -> JSONResponse:
@@ -153,15 +168,19 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
         return JSONResponse({"detail": f"{where}: {first.get('msg')}"}, status_code=422)
 
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, err: Exception) -> JSONResponse:
+        log.exception("API request failed")
+        return JSONResponse({"detail": f"internal error ({type(err).__name__}); see the daemon's log"},
+                            status_code=500)
+
     @app.get("/v1/health")
     def health() -> dict:
         return {"status": "ok", "pid": __import__("os").getpid(), "started_at": daemon.started_at}
 
-    auth_dep = [Depends(require_token)]
-
-    @app.post("/v1/services", dependencies=auth_dep)
+    @app.post("/v1/services")
     def up(body: ServiceUp) -> dict:
-        spec = load_spec(body.yaml)
+        spec = load_spec_text(body.yaml)
         if body.name:
             spec = spec_from_json(json.dumps({**spec.to_dict(), "name": body.name}))
         return daemon.apply_spec(with_envs(spec, body.envs))
@@ -182,7 +201,8 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
 
     @app.post("/v1/bootstrap/redeem")
     def bootstrap_redeem(body: BootstrapRedeem, request: Request) -> dict:
-        """A booting VM's secrets, once: the service's KV secret and the spec's environment."""
+        """A booting VM's secrets, once: the service's KV secret, and the spec's environment with
+        the replica's own token in it."""
         if body.version != wheel_version():
             raise HTTPException(409, f"replica runtime {body.version} is not the daemon's {wheel_version()}")
         try:
@@ -190,12 +210,16 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
         except BootstrapError as err:
             raise HTTPException(err.status, str(err)) from None
         row = get_row(redeemed.service)
+        replica = daemon.store.get_replica(redeemed.replica_id)
+        if replica is None:
+            raise HTTPException(401, "the replica of this token is gone")
         envs = spec_from_json(row.spec_json).task.get("envs") or {}
+        env = {str(k): str(v) for k, v in envs.items() if v is not None}
+        env[identity.REPLICA_TOKEN_ENV] = auth.replica_token_for(replica)
         return {"service": redeemed.service, "replica_id": redeemed.replica_id,
-                "kv_secret": kv_secret_file(redeemed.service).read_text().strip(),
-                "env": {str(k): str(v) for k, v in envs.items() if v is not None}}
+                "kv_secret": kv_secret_file(redeemed.service).read_text().strip(), "env": env}
 
-    @app.get("/v1/services", dependencies=auth_dep)
+    @app.get("/v1/services")
     def services() -> list[dict]:
         return [
             service_json(row, daemon.store.list_replicas(row.name, include_terminal=True))
@@ -203,26 +227,27 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
         ]
 
     def get_row(name: str) -> ServiceRow:
-        row = daemon.store.get_service(name)
+        row = daemon.store.get_service(name) if _NAME.match(name) else None
         if row is None:
             raise HTTPException(404, f"no service named {name!r}")
         return row
 
-    @app.get("/v1/services/{name}", dependencies=auth_dep)
+    @app.get("/v1/services/{name}")
     def service(name: str) -> dict:
         row = get_row(name)
         return service_json(row, daemon.store.list_replicas(name, include_terminal=True))
 
-    @app.delete("/v1/services/{name}", dependencies=auth_dep)
+    @app.delete("/v1/services/{name}")
     def down(name: str) -> dict:
         get_row(name)
         daemon.down(name)
         return {"name": name, "status": "SHUTTING_DOWN"}
 
-    replica_dep = [Depends(require_replica_credential)]
-
-    @app.get("/v1/services/{name}/stores", dependencies=replica_dep)
-    def stores(name: str) -> dict:
+    @app.get("/v1/services/{name}/stores")
+    def stores(name: str, request: Request) -> dict:
+        who = caller(request)
+        if not who.may_use(name):  # before the lookup: another service's names are not told either
+            raise HTTPException(403, f"{who.describe()} may not read the stores of service {name!r}")
         get_row(name)
         live = [
             r
@@ -237,7 +262,7 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
             ]
         }
 
-    @app.get("/v1/services/{name}/logs", dependencies=auth_dep)
+    @app.get("/v1/services/{name}/logs")
     def logs(name: str) -> dict:
         get_row(name)
         out = []
@@ -247,23 +272,31 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
             out.append({"replica_id": r.replica_id, "state": r.state, "log_path": str(path) if path else None})
         return {"replicas": out}
 
-    @app.get("/v1/events", dependencies=auth_dep)
-    def events(service: str | None = None, limit: int = 100, since: float | None = None) -> list[dict]:
+    @app.get("/v1/events")
+    def events(service: str | None = None, limit: int = Query(100, ge=1, le=10000),
+               since: float | None = Query(None, allow_inf_nan=False)) -> list[dict]:
         rows = daemon.store.list_events(service=service, since=since, limit=limit)
+        if service is not None and not rows:
+            get_row(service)  # no events, and no such service either: 404
         return [
             {"id": e.id, "at": e.at, "service": e.service, "replica_id": e.replica_id, "kind": e.kind,
              "zone": e.zone, "market": e.market, "message": e.message}
             for e in rows
         ]
 
-    @app.post("/v1/notices", dependencies=replica_dep)
-    def notice(body: NoticeIn) -> dict:
+    @app.post("/v1/notices")
+    def notice(body: NoticeIn, request: Request) -> dict:
+        who = caller(request)
+        if who.kind == auth.SERVICE:
+            raise HTTPException(403, "a notice needs the replica's own token, not its service's KV secret")
+        if who.kind == auth.REPLICA and (who.instance_id is None or body.instance_id != who.instance_id):
+            raise HTTPException(403, f"{who.describe()} may only report notices for its own instance")
         handled = daemon.migrator.on_notice(
             Notice(instance_id=body.instance_id, kind=body.kind, deadline=body.deadline, source=body.source)
         )
         return {"accepted": True, "replica_id": handled}
 
-    @app.post("/v1/chaos/preempt", dependencies=auth_dep)
+    @app.post("/v1/chaos/preempt")
     def chaos(body: ChaosPreempt) -> dict:
         if bool(body.replica_id) == bool(body.zone):
             raise UserError("chaos preempt: give exactly one of a replica id or --zone")

@@ -349,13 +349,12 @@ class DaemonServer:
 
     def __init__(self, daemon: Daemon, host: str = "127.0.0.1", port: int = 0):
         from orchestrator.control.api import create_app
+        from orchestrator.control.gate import server_config
 
         self.daemon = daemon
         port = port or free_port(host)
         daemon.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(create_app(daemon), host=host, port=port, log_level="warning", lifespan="off")
-        )
+        self.server = uvicorn.Server(server_config(create_app(daemon), host, port))
         self._thread: threading.Thread | None = None
 
     def _on_started(self) -> None:

@@ -3,7 +3,9 @@
 The controller calls `ReplicaLauncher.request`. On machines of this host (the local cloud) the
 request carries the command line, run from the replica environment (`.venv-replica`); on a VM
 it carries the boot script (orchestrator.control.boot) that installs the replica runtime and
-starts the same program. Also here: the service's KV secret file and the demo model build.
+starts the same program. A replica of this host gets its own token (orchestrator.common.identity)
+in its environment; a VM redeems it at boot. Also here: the service's KV secret file and the
+demo model build.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import secrets
 import subprocess
 from pathlib import Path
 
-from orchestrator.common import paths
+from orchestrator.common import identity, paths
 from orchestrator.common.errors import UserError
+from orchestrator.control import auth
 from orchestrator.spec import ServiceSpec
 from orchestrator.control.store import ReplicaRow
 from orchestrator.control.boot import VM_SECRET_FILE, BootScripts
@@ -37,22 +39,10 @@ REPLICA_ENV = {
 }
 
 
-def service_dir(service: str) -> Path:
-    path = paths.home() / "services" / service
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def kv_secret_file(service: str) -> Path:
     """The per-service secret the shard stores and connectors authenticate with (0600)."""
-    path = service_dir(service) / "kv.secret"
-    if not path.exists():
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            return path
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32))
+    path = auth.service_secret_path(service, "kv.secret")
+    auth.private_secret(path)
     return path
 
 
@@ -168,7 +158,10 @@ class ReplicaLauncher:
         )
         if runtime.on_this_host:
             command = [runtime.python, "-m", "orchestrator.replica.main", *args, "--", *engine]
-            return LaunchRequest(**common, command=command, env=dict(REPLICA_ENV))
+            # The replica's own credential for its notices and membership reads (a VM gets it
+            # from the bootstrap redemption instead).
+            env = {**REPLICA_ENV, identity.REPLICA_TOKEN_ENV: auth.replica_token_for(row)}
+            return LaunchRequest(**common, command=command, env=env)
         if self.boot is None or not self.daemon_url:
             raise UserError(f"replica {row.replica_id}: a {offer.location.cloud} machine needs the daemon's URL "
                             "to boot; run the daemon with a public URL")

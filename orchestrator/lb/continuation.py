@@ -51,7 +51,11 @@ class SeamMismatch(Exception):
 
 
 class UpstreamStreamError(Exception):
-    """A replica reported an error inside its stream (an `error` event)."""
+    """A replica reported an error inside its stream (an `error` event); `error` is its payload."""
+
+    def __init__(self, error: object):
+        super().__init__(str(error))
+        self.error = error
 
 
 # Parameters a RESUME carries over unchanged: none depends on what was generated before the seam.
@@ -281,7 +285,7 @@ class Splice:
             return [], 0
         chunk = json.loads(data)
         if "error" in chunk and not chunk.get("choices"):
-            raise UpstreamStreamError(str(chunk["error"]))
+            raise UpstreamStreamError(chunk["error"])
         if self.ident is None:
             self.ident = (chunk.get("id"), chunk.get("created"), chunk.get("model"))
         choices = chunk.get("choices")

@@ -1,15 +1,13 @@
 """OpenAI-compatible load balancer in front of one service's vLLM replicas.
 
 The daemon runs one per service, tells it the replica set (`set_replicas`), and its migrator
-drains and migrates replicas on notices (`drain`, `migrate`). It routes `/v1/completions`,
-`/v1/chat/completions` (streamed or not), `/v1/models` and any other `/v1/...` call to a ready
-replica (least_load or round_robin), retries a try that cannot reach its replica on another one
-(3 tries, as SkyServe), and continues a broken or migrated stream on another replica token for
-token (orchestrator.lb.continuation; docs/preemption.md). Serves `/health` and Prometheus
-`/metrics`. Raw ASGI on purpose: the hop has a budget of about a millisecond, and a framework's
-routing, request objects and per-response disconnect-listener tasks cost a good part of it.
-Everything runs on the LB's own event loop; `set_replicas`, `in_flight` and `migrate` may be
-called from any thread.
+drains and migrates replicas on notices (`drain`, `migrate`). It routes every `/v1/...` call to a
+ready replica (least_load or round_robin), retries a try that reaches no replica elsewhere (3
+tries, as SkyServe), and continues a broken or migrated stream on another replica token for token
+(orchestrator.lb.continuation; docs/preemption.md). Serves `/health` and Prometheus `/metrics`.
+Every request it cannot serve gets an OpenAI-shaped 4xx (orchestrator.lb.validate, lb.limits;
+docs/hostile-input.md). Raw ASGI on purpose: the hop has a budget of about a millisecond. It runs
+on its own event loop; `set_replicas`, `in_flight` and `migrate` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -42,11 +40,14 @@ from orchestrator.lb.continuation import (
     plan_stream,
 )
 from orchestrator.common.errors import UserError
+from orchestrator.lb import limits as lb_limits
+from orchestrator.lb.limits import Limits
 from orchestrator.lb.metrics import LBMetrics
 from orchestrator.lb.picking import make_picker
 from orchestrator.lb.server import CoalescingHTTPProtocol
 from orchestrator.lb.upstream import UpstreamError, UpstreamPool
 from orchestrator.lb.sse import SSE_DONE, SSESplitter, sse_event
+from orchestrator.lb.validate import BadRequest, parse_request, upstream_error
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +94,6 @@ class MigrationResult:
     continuation_ids: tuple[str, ...] = ()
 
 
-class _ClientGone(Exception):
-    pass
-
-
 class _Handle:
     """One client request as migrate() and the disconnect watcher see it."""
 
@@ -129,28 +126,22 @@ class _Handle:
             self.resumed.set_result(ok)
 
 
-def _error_body(status: int, message: str, kind: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+_error_body = lb_limits.error_body
+_CLOSE = [(b"connection", b"close")]  # after a body left unread
 
 
-async def _send_json(send, status: int, body: bytes, content_type: bytes = _JSON) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
+async def _send_json(send, status: int, body: bytes, content_type: bytes = _JSON, extra: list | None = None) -> None:
+    headers = [(b"content-type", content_type)] + (extra or [])
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_error(send, status: int, message: str, kind: str = "server_error") -> None:
-    await _send_json(send, status, _error_body(status, message, kind))
-
-
-async def _read_body(receive) -> bytes:
-    body, more = b"", True
-    while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        body += message.get("body", b"")
-        more = message.get("more_body", False)
-    return body
+async def _send_error(send, status: int, message: str, kind: str = "server_error", extra: list | None = None,
+                      param: str | None = None) -> None:
+    body = _error_body(status, message, kind)
+    if param is not None:
+        body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
+    await _send_json(send, status, body, extra=extra)
 
 
 def _validate(upstream: Upstream) -> Upstream:
@@ -164,8 +155,11 @@ class LoadBalancer:
     """One service's endpoint. `app` is the ASGI app; `start()` serves it in a thread."""
 
     def __init__(self, policy: str = "least_load", *, connect_timeout: float = 5.0,
-                 stream_idle_timeout: float | None = 600.0):
+                 stream_idle_timeout: float | None = 600.0, limits: Limits | None = None):
         self._picker = make_picker(policy)
+        self.limits = limits or Limits.from_env()
+        self._streams = lb_limits.StreamSlots(self.limits.max_streams_per_client)
+        self.guard: lb_limits.ConnectionGuard | None = None  # its connections, once it serves
         self.policy = policy
         self._replicas: dict[str, Upstream] = {}
         # Replicas drain() took out for good: a replica set published from a view older than
@@ -282,9 +276,12 @@ class LoadBalancer:
             sock.close()
             raise UserError(f"load balancer: cannot listen on {host}:{port}: {err.strerror}") from None
         port = sock.getsockname()[1]
+        self.guard = lb_limits.ConnectionGuard(self.limits, f"lb-{port}", lb_limits.process_budget())
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on", loop="none",
-                                http=CoalescingHTTPProtocol, interface="asgi3", proxy_headers=False, ws="none",
-                                timeout_graceful_shutdown=5, timeout_keep_alive=30)
+                                http=lb_limits.protocol_class(self.guard, CoalescingHTTPProtocol), interface="asgi3",
+                                proxy_headers=False, ws="none", timeout_graceful_shutdown=5,
+                                timeout_keep_alive=max(1, round(self.limits.idle_timeout_s)),
+                                backlog=min(4096, self.limits.max_connections))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, args=(sock,), name=f"lb-{port}", daemon=True)
         self._thread.start()
@@ -301,6 +298,8 @@ class LoadBalancer:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=15)
+        if self.guard is not None:
+            self.guard.close()
         self._server = self._thread = None
 
     def _serve(self, sock: socket.socket) -> None:
@@ -337,6 +336,21 @@ class LoadBalancer:
             return await self._lifespan(receive, send)
         if kind != "http":
             return
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._http(scope, receive, tracked)
+        except Exception:  # a bug: say so in the log, and in OpenAI's shape to the client
+            log.exception("load balancer: %s %s failed", scope.get("method"), scope.get("path"))
+            if not started:
+                await _send_error(send, 500, "internal error in the load balancer", extra=_CLOSE)
+
+    async def _http(self, scope, receive, send) -> None:
         path, method = scope["path"], scope["method"]
         if path.startswith("/v1/"):
             return await self._proxy(scope, receive, send, path, method)
@@ -371,27 +385,42 @@ class LoadBalancer:
             handle.task.cancel()
 
     async def _proxy(self, scope, receive, send, path: str, method: str) -> None:
-        try:
-            raw = await _read_body(receive)
-        except _ClientGone:
-            return
         headers = {"Content-Type": "application/json"}
+        declared = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 headers["Authorization"] = value.decode("latin-1")
+            elif name == b"content-length":
+                declared = value
+        limit = self.limits.max_body_bytes
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await _send_error(send, 413, f"request body over {limit} bytes", "invalid_request_error", _CLOSE)
+        try:
+            raw = await lb_limits.read_body(receive, limit, self.limits.body_timeout_s)
+        except lb_limits.ClientGone:
+            return
+        except lb_limits.BodyTooLarge:
+            return await _send_error(send, 413, f"request body over {limit} bytes", "invalid_request_error", _CLOSE)
+        except TimeoutError:
+            return await _send_error(send, 408, f"request body not received within {self.limits.body_timeout_s:g}s",
+                                     "invalid_request_error", _CLOSE)
+        body = None
+        if method == "POST" and path in (COMPLETIONS, CHAT):
+            try:
+                body = parse_request(path, raw)
+            except BadRequest as err:
+                return await _send_error(send, 400, str(err), "invalid_request_error", param=err.param)
+        client = None
+        if body is not None and body.get("stream"):
+            client = (scope.get("client") or ("",))[0]
+            if not self._streams.acquire(client):
+                self.metrics.errors.labels("", "client_stream_limit").inc()
+                return await _send_error(send, 429, f"more than {self.limits.max_streams_per_client} concurrent "
+                                                    "streams from this client", "rate_limit_error")
         handle = _Handle(asyncio.current_task())
         watcher = asyncio.ensure_future(self._watch_disconnect(receive, handle))
         try:
-            body = None
-            if method == "POST" and path in (COMPLETIONS, CHAT):
-                try:
-                    body = json.loads(raw)
-                except ValueError:
-                    return await _send_error(send, 400, "request body is not valid JSON", "invalid_request_error")
-                if not isinstance(body, dict):
-                    return await _send_error(send, 400, "request body must be a JSON object",
-                                             "invalid_request_error")
-            if body is not None and body.get("stream"):
+            if client is not None:
                 plan = plan_stream(path, body)
                 if plan.mode is Mode.NONE:
                     handle.continuable = False
@@ -406,6 +435,8 @@ class LoadBalancer:
             if not handle.client_gone:
                 raise
         finally:
+            if client is not None:
+                self._streams.release(client)
             handle.done = True
             handle.settle(False)  # a migrate() waiting on a request whose client left
             watcher.cancel()
@@ -556,8 +587,8 @@ class LoadBalancer:
             return await self._end_with_error(send, "the replica serving this stream went away and the "
                                                     "request cannot be continued (n>1, logprobs, echo or tools)")
 
-    async def _end_with_error(self, send, message: str) -> None:
-        event = sse_event(_error_body(502, message, "server_error"))
+    async def _end_with_error(self, send, message: str, status: int = 502) -> None:
+        event = sse_event(_error_body(status, message, "server_error"))
         await send({"type": "http.response.body", "body": event + SSE_DONE})
 
     # -- streams continued across replicas ------------------------------------------------------
@@ -569,6 +600,7 @@ class LoadBalancer:
         started = False  # the client has its response headers
         last_token_at: float | None = None
         seam_reason = "broken"
+        upstream_status = 502  # a replica's own 5xx, when that is how the last try failed
         while True:
             if splice.budget_spent():
                 events = splice.finish_locally()
@@ -597,6 +629,7 @@ class LoadBalancer:
             handle.waiting = True
             progressed = False
             failure: str | None = None
+            refusal: tuple[int, bytes] | None = None  # a replica's 4xx: the client's to see, not to retry
             resp = None
             try:
                 resp = await _request(session, "POST", upstream.url + path, json.dumps(body).encode(), sent_headers)
@@ -607,6 +640,10 @@ class LoadBalancer:
                         handle.settle(False)
                         return await _send_json(send, resp.status, payload)
                     failure = f"http_{resp.status}"
+                    status, payload = upstream_error(_error_of(payload, resp.status))
+                    if status < 500:
+                        refusal = (status, payload)
+                    upstream_status = status
                 else:
                     if not started:
                         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
@@ -638,6 +675,12 @@ class LoadBalancer:
                         await asyncio.sleep(0)
                     if not splice.finished:
                         failure = "cut" if handle.cut else "eof"
+            except UpstreamStreamError as err:  # the replica said why inside its stream
+                failure = "upstream_error"
+                status, payload = upstream_error(err.error)
+                if status < 500:
+                    refusal = (status, payload)
+                upstream_status = status
             except _CONNECT_ERRORS + _STREAM_ERRORS as err:
                 log.debug("try on %s failed: %s", replica, err)
                 failure = "connect" if resp is None else "broken"
@@ -665,6 +708,11 @@ class LoadBalancer:
                 handle.done = True
                 handle.settle(True)
                 return await send({"type": "http.response.body", "body": SSE_DONE})
+            if refusal is not None:
+                self.metrics.errors.labels(replica, f"http_{refusal[0]}").inc()
+                handle.done = True
+                handle.settle(False)
+                return await send({"type": "http.response.body", "body": sse_event(refusal[1]) + SSE_DONE})
             # A seam: this segment ended before the stream did.
             if handle.cut:  # a cut, even when the replica broke the stream at the same moment
                 failure = "cut"
@@ -687,7 +735,18 @@ class LoadBalancer:
         handle.settle(False)
         if not started:
             return await self._refuse(send, handle, max(tries, 1))
-        await self._end_with_error(send, "the stream could not be continued on any replica")
+        await self._end_with_error(send, "the stream could not be continued on any replica", upstream_status)
+
+
+def _error_of(payload: bytes, status: int) -> object:
+    """The `error` object of a replica's error answer, or one made from its status."""
+    try:
+        error = json.loads(payload).get("error")
+    except (ValueError, AttributeError, RecursionError):
+        error = None
+    if isinstance(error, dict):
+        return {**error, "code": status}
+    return {"message": str(error or payload[:200].decode("utf-8", "replace")), "code": status}
 
 
 async def _request(session: aiohttp.ClientSession, method: str, url: str, data: bytes,

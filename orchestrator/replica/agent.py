@@ -4,9 +4,9 @@
                                  [--watch aws|gcp|azure --api DAEMON_URL [--metadata-url URL]]
 
 orchestrator.replica.main starts it. With --watch it also runs the cloud's notice watcher
-(orchestrator.replica.watchers), which reports notices to the daemon with the service's KV secret
-(a replica machine never holds the daemon's admin token). It logs "agent: shard store listening
-on http://H:P" once the port is bound (with --store-port 0, the port the OS picked) and stops
+(orchestrator.replica.watchers), which reports notices to the daemon with this replica's own
+token (orchestrator.common.identity; never the daemon's admin token). It logs "agent: shard
+store listening on http://H:P" once the port is bound (with --store-port 0, the port the OS picked) and stops
 cleanly on SIGTERM/SIGINT. More duties: `serve(options, duties=[...])` starts each once the store
 listens and stops it at shutdown (watchers.WatchLoop has that shape).
 """
@@ -82,10 +82,12 @@ def notice_duties(options: AgentOptions) -> list[Duty]:
     """The notice watcher the options ask for (none on the local cloud: the daemon kills)."""
     if not options.watch:
         return []
+    from orchestrator.common import identity
     from orchestrator.replica.watchers import NoticeReporter, WatchLoop, load_watcher
 
     kwargs = {"base_url": options.metadata_url} if options.metadata_url else {}
-    return [WatchLoop(load_watcher(options.watch)(**kwargs), NoticeReporter(options.api_url, options.secret))]
+    reporter = NoticeReporter(options.api_url, identity.own_token(options.secret))
+    return [WatchLoop(load_watcher(options.watch)(**kwargs), reporter)]
 
 
 async def serve(options: AgentOptions, duties: Sequence[Duty] = (), stop: asyncio.Event | None = None) -> None:

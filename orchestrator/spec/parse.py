@@ -5,9 +5,13 @@ A SkyServe `service:` section loads unchanged (SkyServe keys we do not act on, s
 are kept in `ServiceSpec.task`. Ours: `service.placement_policy`, `engine:` and `kv:`.
 Each error's single line names the field path and what was expected, e.g.
 `service.replicas: expected an integer, got 'two'`. Clouds are checked by name only here;
-whether a provider is registered for one is the control plane's question.
+whether a provider is registered for one is the control plane's question. The loader is safe
+with hostile text: at most MAX_SPEC_BYTES, MAX_ALIASES aliases, MAX_DEPTH levels and MAX_NODES
+nodes with every alias expanded (no "billion laughs"), only JSON's types (timestamps stay
+strings, no binary, no infinities), each refusal one SpecError.
 
-Called by the CLI (`spotctl up`), the daemon's API and the store (`spec_from_json`).
+Called by the CLI (`spotctl up`: load_spec), the daemon's API (load_spec_text) and the store
+(`spec_from_json`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import shlex
 from collections.abc import Iterable, Mapping
@@ -57,8 +62,45 @@ def spec_from_json(text: str) -> ServiceSpec:
 # ---- YAML loading ---------------------------------------------------------------------
 
 
+MAX_SPEC_BYTES = 1 << 20  # a service spec is a few KiB; a MiB leaves room for long scripts
+MAX_ALIASES = 64
+MAX_DEPTH = 64
+MAX_NODES = 100_000  # nodes of the document with every alias expanded
+MAX_NUMBER = 1e9  # seconds, QPS, ...: beyond this a number is a mistake (and overflows timers)
+MAX_REPLICAS = 1000
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last one)."""
+    """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last one), alias bombs,
+    deep nesting and values JSON cannot hold."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._aliases = 0
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        line = self.peek_event().start_mark.line + 1
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise SpecError("", f"more than {MAX_ALIASES} YAML aliases (line {line}); write the values out")
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise SpecError("", f"nested deeper than {MAX_DEPTH} levels (line {line})")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None:
+            try:
+                _expanded_size(node, {}, set())
+            except RecursionError:
+                raise SpecError("", "YAML aliases nested too deeply") from None
+        return node
 
     def construct_mapping(self, node, deep=False):
         seen: set[Any] = set()
@@ -70,6 +112,44 @@ class _StrictLoader(yaml.SafeLoader):
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
+    def construct_finite_float(self, node):
+        value = self.construct_yaml_float(node)
+        if not math.isfinite(value):
+            raise SpecError("", f"line {node.start_mark.line + 1}: {node.value!r} is not a finite number")
+        return value
+
+    def refuse_binary(self, node):
+        raise SpecError("", f"line {node.start_mark.line + 1}: binary values (!!binary) are not supported")
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:float", _StrictLoader.construct_finite_float)
+_StrictLoader.add_constructor("tag:yaml.org,2002:timestamp", yaml.SafeLoader.construct_yaml_str)  # as written
+_StrictLoader.add_constructor("tag:yaml.org,2002:set", yaml.SafeLoader.construct_yaml_map)  # {a, b}: keys
+_StrictLoader.add_constructor("tag:yaml.org,2002:binary", _StrictLoader.refuse_binary)
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """Nodes under `node` with aliases expanded; raises SpecError past MAX_NODES or for an
+    alias inside what it names."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        raise SpecError("", f"line {node.start_mark.line + 1}: a YAML alias refers to a node that contains it")
+    open_nodes.add(key)
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [part for pair in node.value for part in pair]
+    else:
+        children = []
+    total = 1 + sum(_expanded_size(child, sizes, open_nodes) for child in children)
+    if total > MAX_NODES:
+        raise SpecError("", f"more than {MAX_NODES} values once its YAML aliases are expanded")
+    open_nodes.discard(key)
+    sizes[key] = total
+    return total
+
 
 def _looks_like_path(text: str) -> bool:
     return "\n" not in text and (text.endswith((".yaml", ".yml", ".json")) or ":" not in text)
@@ -77,19 +157,25 @@ def _looks_like_path(text: str) -> bool:
 
 def load_spec(path_or_text: str | Path) -> ServiceSpec:
     """Parse a YAML file (a Path, or a one-line str ending in .yaml/.yml or without a colon)
-    or YAML text. The name defaults to the file's stem."""
-    source, name = "spec", None
+    or YAML text. The name defaults to the file's stem. Raises SpecError."""
     if isinstance(path_or_text, Path) or _looks_like_path(str(path_or_text)):
         path = Path(path_or_text).expanduser()
         try:
+            if path.stat().st_size > MAX_SPEC_BYTES:
+                raise SpecError("", f"{path}: larger than {MAX_SPEC_BYTES} bytes; a service spec is a few KiB")
             text = path.read_text()
         except FileNotFoundError:
             raise SpecError("", f"file not found: {path}") from None
         except (IsADirectoryError, PermissionError, UnicodeDecodeError) as err:
             raise SpecError("", f"cannot read {path}: {type(err).__name__}") from None
-        source, name = str(path), path.stem
-    else:
-        text = str(path_or_text)
+        return load_spec_text(text, source=str(path), name=path.stem)
+    return load_spec_text(str(path_or_text))
+
+
+def load_spec_text(text: str, source: str = "spec", name: str | None = None) -> ServiceSpec:
+    """Parse YAML text (never a path: what the daemon's API receives). Raises SpecError."""
+    if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "replace")) > MAX_SPEC_BYTES:
+        raise SpecError("", f"{source}: larger than {MAX_SPEC_BYTES} bytes; a service spec is a few KiB")
     try:
         data = yaml.load(text, Loader=_StrictLoader)
     except SpecError as err:
@@ -100,6 +186,9 @@ def load_spec(path_or_text: str | Path) -> ServiceSpec:
         raise SpecError("", f"{source}: invalid YAML{where}: {err.problem or err.context}") from None
     except yaml.YAMLError as err:
         raise SpecError("", f"{source}: invalid YAML: {err}") from None
+    except (ValueError, RecursionError) as err:  # e.g. an integer of more digits than Python converts
+        why = "a number with too many digits" if "digits" in str(err) else type(err).__name__
+        raise SpecError("", f"{source}: invalid YAML: {why}") from None
     if data is None:
         raise SpecError("", f"{source}: empty; expected a mapping with at least engine.model")
     return parse_spec(data, name=name)
@@ -176,6 +265,8 @@ class _Fields:
             raise self.error(key, f"expected a number, got {_show(value)}")
         if positive and value <= 0:
             raise self.error(key, f"expected a number > 0, got {value}")
+        if abs(value) > MAX_NUMBER:
+            raise self.error(key, f"expected a number of at most {MAX_NUMBER:g}, got {value:g}")
         _check_range(self.at(key), value, minimum, None)
         return float(value)
 
@@ -321,13 +412,13 @@ def _parse_replica_policy(svc: _Fields) -> ReplicaPolicy:
     if svc.has("replicas") and svc.has("replica_policy"):
         raise svc.error("replicas", "give either replicas or replica_policy, not both")
     if not svc.has("replica_policy"):
-        n = svc.integer("replicas", 1, minimum=0)
+        n = svc.integer("replicas", 1, minimum=0, maximum=MAX_REPLICAS)
         return ReplicaPolicy(min_replicas=n, max_replicas=n)
     f = svc.mapping("replica_policy", POLICY_KEYS)
     if not f.has("min_replicas"):
         raise f.error("min_replicas", "required")
-    lo = f.integer("min_replicas", minimum=0)
-    hi = f.integer("max_replicas", minimum=0)
+    lo = f.integer("min_replicas", minimum=0, maximum=MAX_REPLICAS)
+    hi = f.integer("max_replicas", minimum=0, maximum=MAX_REPLICAS)
     if hi is not None and lo > hi:
         raise f.error("min_replicas", f"({lo}) > max_replicas ({hi})")
     qps = _parse_target_qps(f)
@@ -340,8 +431,9 @@ def _parse_replica_policy(svc: _Fields) -> ReplicaPolicy:
         min_replicas=lo,
         max_replicas=hi,
         target_qps_per_replica=qps,
-        num_overprovision=f.integer("num_overprovision", 0, minimum=0),
-        base_ondemand_fallback_replicas=f.integer("base_ondemand_fallback_replicas", 0, minimum=0),
+        num_overprovision=f.integer("num_overprovision", 0, minimum=0, maximum=MAX_REPLICAS),
+        base_ondemand_fallback_replicas=f.integer("base_ondemand_fallback_replicas", 0, minimum=0,
+                                                  maximum=MAX_REPLICAS),
         dynamic_ondemand_fallback=f.boolean("dynamic_ondemand_fallback", False),
         spot_placer=f.string("spot_placer", choices=SPOT_PLACERS),
         upscale_delay_seconds=f.number("upscale_delay_seconds", 300.0, minimum=0),
@@ -356,7 +448,7 @@ def _parse_target_qps(f: _Fields) -> float | dict[str, float] | None:
     out = {}
     for acc, qps in raw.items():  # SkyServe: per-accelerator targets, e.g. {H100: 4, A100:1: 2}
         path = f"{f.at('target_qps_per_replica')}.{acc}"
-        if isinstance(qps, bool) or not isinstance(qps, (int, float)) or qps <= 0:
+        if isinstance(qps, bool) or not isinstance(qps, (int, float)) or not 0 < qps <= MAX_NUMBER:
             raise SpecError(path, f"expected a number > 0, got {_show(qps)}")
         out[str(acc)] = float(qps)
     return out
@@ -376,7 +468,7 @@ def _parse_service(svc: _Fields) -> ServiceSection:
     for key in SERVICE_EXTRA_KEYS:
         if key in ("load_balancer", "pool") and svc.has(key) and not isinstance(svc.data[key], Mapping):
             raise svc.error(key, f"expected a mapping, got {_show(svc.data[key])}")
-    replicas = svc.integer("replicas", minimum=0) if not svc.has("replica_policy") else None
+    replicas = svc.integer("replicas", minimum=0, maximum=MAX_REPLICAS) if not svc.has("replica_policy") else None
     return ServiceSection(
         readiness_probe=_parse_probe(svc),
         replica_policy=_parse_replica_policy(svc),

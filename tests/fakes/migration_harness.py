@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 
+from orchestrator.control import auth
 from orchestrator.control.daemon import Daemon
-from orchestrator.control.launch import kv_secret_file
+from orchestrator.control.store import Store
 from tests.helpers import spotctl, wait_for
 
 
@@ -36,10 +37,11 @@ def wait_ready(client: httpx.Client, name: str, n: int, timeout: float) -> dict:
 
 
 def post_notice(client: httpx.Client, name: str, instance_id: str, deadline: float) -> dict:
-    """A notice as a replica's agent sends it: authenticated with the service's KV secret."""
-    secret = kv_secret_file(name).read_text().strip()
+    """A notice as a replica's agent sends it: authenticated with the replica's own token."""
+    replica = next(r for r in service(client, name)["replicas"] if r["instance_id"] == instance_id)
+    token = auth.replica_token_for(Store().get_replica(replica["replica_id"]))
     r = client.post("/v1/notices", json={"instance_id": instance_id, "deadline": deadline, "source": "test"},
-                    headers={"Authorization": f"Bearer {secret}"})
+                    headers={"Authorization": f"Bearer {token}"})
     r.raise_for_status()
     return r.json()
 

@@ -15,7 +15,9 @@ prompt + generated ids must reproduce an uninterrupted run exactly:
 
 Test knobs in the request body: `fake_token_delay` (s/token), `fake_status` (answer that
 HTTP status), `fake_die_after` ({replica name: n}: the process exits after streaming n tokens,
-as a killed replica would). GET /_requests lists the bodies received (DELETE clears them).
+as a killed replica would), `fake_stream_error` ({"after": n, "status": s}: an error event in
+vLLM's shape after n tokens). Like vLLM, a request it cannot read gets a 400 (and a budget past
+its context of MAX_MODEL_LEN tokens too), never a 500. GET /_requests lists the bodies received (DELETE clears them).
 The replica's name is returned as `system_fingerprint`.
 """
 
@@ -29,6 +31,7 @@ import random
 import time
 
 VOCAB = 1000
+MAX_MODEL_LEN = 4096
 
 
 def tokenize(text: str) -> list[int]:
@@ -108,20 +111,27 @@ class Fake:
             return await self.json(send, 200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
         if path not in ("/v1/completions", "/v1/chat/completions"):
             return await self.json(send, 404, {"error": {"message": "no route", "code": 404}})
-        body = json.loads(raw)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return await self.bad_request(send, "request body is not a JSON object")
         self.requests.append({"path": path, "body": body})
         if body.get("fake_status"):
             status = int(body["fake_status"])
             return await self.json(send, status, {"error": {"message": "fake failure", "type": "server_error",
                                                             "code": status}})
         chat = path == "/v1/chat/completions"
-        prompt = body.get("prompt")
-        if chat:
-            prompt_ids = tokenize(chat_prompt(body.get("messages") or []))
-        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            prompt_ids = list(prompt)
-        else:
-            prompt_ids = tokenize(prompt[0] if isinstance(prompt, list) else str(prompt))
+        try:
+            prompt_ids = self.prompt_ids(body, chat)
+            budget = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+            int(body.get("min_tokens") or 0), float(body.get("fake_token_delay") or 0)
+            set(body.get("stop_token_ids") or ())
+        except (TypeError, ValueError, AttributeError) as err:
+            return await self.bad_request(send, f"invalid request: {err}")
+        if len(prompt_ids) + budget > MAX_MODEL_LEN:
+            return await self.bad_request(send, f"this model's maximum context length is {MAX_MODEL_LEN} tokens")
         gen = self.generate(body, prompt_ids)
         ident = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{self.name}-{len(self.requests)}",
                  "created": int(time.time()), "model": body.get("model") or "fake",
@@ -151,6 +161,20 @@ class Fake:
         if chat and want_ids:
             result["prompt_token_ids"] = prompt_ids
         return await self.json(send, 200, result)
+
+    @staticmethod
+    def prompt_ids(body: dict, chat: bool) -> list[int]:
+        prompt = body.get("prompt")
+        if chat:
+            return tokenize(chat_prompt(list(body.get("messages") or [])))
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return [int(t) for t in prompt]
+        ids = tokenize(str(prompt[0]) if isinstance(prompt, list) and prompt else str(prompt))
+        return ids or [1]
+
+    async def bad_request(self, send, message: str) -> None:
+        await self.json(send, 400, {"error": {"message": message, "type": "BadRequestError", "param": None,
+                                              "code": 400}})
 
     async def generate(self, body: dict, prompt_ids: list[int]):
         """Yields (token, text, finish_reason, stop_reason); the last one has a finish_reason."""
@@ -195,6 +219,7 @@ class Fake:
                     "headers": [(b"content-type", b"text/event-stream")]})
         want_ids = body.get("return_token_ids")
         die_after = (body.get("fake_die_after") or {}).get(self.name)
+        stream_error = body.get("fake_stream_error") or {}
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         async def emit(chunk: dict) -> None:
@@ -222,6 +247,12 @@ class Fake:
                 choice["token_ids"] = [token]
             await emit(dict(ident, object=obj, choices=[choice]))
             self.tokens_streamed += 1
+            if stream_error and count >= stream_error.get("after", 0):
+                status = stream_error.get("status", 400)
+                await emit({"error": {"message": "fake error inside the stream", "type": "BadRequestError",
+                                      "param": None, "code": status}})
+                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+                return
             if die_after is not None and count >= die_after:
                 await asyncio.sleep(0.05)  # let the bytes leave, then die like a killed replica
                 os._exit(1)

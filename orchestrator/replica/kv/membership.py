@@ -1,8 +1,9 @@
 """The shard stores the connector codes over: static ones, its own, and the daemon's list.
 
 The connector makes one Membership and hands its changes to the pool and the repairer. Replicas
-come and go, so with a `membership_url` the list is polled (GET, bearer = the shard-store secret,
-body {"stores": [...]}) and the pool re-placed when it changes. A failed poll keeps the last
+come and go, so with a `membership_url` the list is polled (GET, bearer = this replica's own token
+from its environment, else the shard-store secret; body {"stores": [...]}) and the pool re-placed
+when it changes. A failed poll keeps the last
 known list: stores that vanished only cost cache misses.
 """
 
@@ -14,6 +15,7 @@ import threading
 import urllib.request
 from collections.abc import Callable
 
+from orchestrator.common import identity
 from orchestrator.replica.kv.placement import StoreNode, parse_nodes
 from orchestrator.replica.kv.settings import ConnectorSettings
 
@@ -36,7 +38,8 @@ class Membership:
 
     def _fetch(self) -> list[StoreNode]:
         url = self._settings.membership_url
-        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {self._settings.secret}"})
+        token = identity.own_token(self._settings.secret)
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
         try:
             with urllib.request.urlopen(request, timeout=self._settings.timeout_s) as response:
                 return parse_nodes(json.loads(response.read())["stores"])
