@@ -66,6 +66,8 @@ def test_the_api_gives_the_secret_and_envs_once_and_the_wheel_before(state_home,
         got = anonymous.post("/v1/bootstrap/redeem", json={"instance_id": "i-42", "version": version()}, headers=boot)
         assert got.status_code == 200, got.text
         body = got.json()
+        token = body["env"].pop("SPOT_ORCHESTRATOR_REPLICA_TOKEN")  # its own identity, for notices
+        assert token.startswith(f"spr1.boot.{row.replica_id}.")
         assert body["env"] == {"HF_TOKEN": "hf-secret", "MODE": "fast"} and len(body["kv_secret"]) >= 32
         again = anonymous.post("/v1/bootstrap/redeem", json={"instance_id": "i-42", "version": version()},
                                headers=boot)
