@@ -31,10 +31,13 @@ TINY_ENGINE = {"model": "tiny", "dtype": "float32", "max_model_len": 512, "block
 
 
 def emulated_spec(template: Path, out: Path, **service_changes) -> tuple[str, Path]:
-    """The template with its engine swapped for the tiny model and a free load-balancer port."""
+    """The template with its engine swapped for the tiny model, a fleet of two (what two CPU
+    cores hold: every replica is a vLLM server) and a free load-balancer port; its resources,
+    clouds, zones and placement policy as they are."""
     data = yaml.safe_load(template.read_text())
     data["engine"] = dict(TINY_ENGINE)
-    data["service"] = {**data.get("service", {}), "ports": free_port(), **service_changes}
+    service = {k: v for k, v in data.get("service", {}).items() if k != "replica_policy"}
+    data["service"] = {**service, "replicas": 2, "ports": free_port(), **service_changes}
     data.pop("envs", None)
     out.write_text(yaml.safe_dump(data))
     return data["name"], out
@@ -121,6 +124,7 @@ def walk(emulator, template: Path, tmp_path: Path, grace_s: float = 90.0) -> Non
         busiest = max(in_flight(svc["endpoint"]).items(), key=lambda kv: kv[1], default=(None, 0))
         assert busiest[1] >= 1, f"no replica has a stream in flight: {in_flight(svc['endpoint'])}"
         victim = next(r for r in ready(status(name)) if r["replica_id"] == busiest[0])
+        assert victim["market"] == "spot", f"the busiest replica is not a spot one: {victim}"
         machine = emulator.runner.machines[victim["instance_id"]]
         hold_engine(machine)
         noticed_at = time.time()
