@@ -78,9 +78,11 @@ def simulate(
     params = dataclasses.replace(SKYSERVE_EVAL_PARAMS, num_overprovision=overprovision)
     price_table = load_price_table(prices)
     if model == PAPER_MODEL:
-        for flag, value in (("--notice", notice), ("--plot", plot), ("--one-market", one_market or None)):
+        for flag, value in (("--notice", notice), ("--plot", plot)):
             if value is not None:
                 raise UserError(f"{flag} does not apply to --model {PAPER_MODEL} (preemptions come without notice)")
+        if one_market:
+            raise UserError(f"--one-market does not apply to --model {PAPER_MODEL} (one spot price everywhere)")
         config = PaperConfig(
             target=target, cold_start=cold_start, od_price_ratio=od_price_ratio, windows=windows, seed=seed,
             sample_seconds=sample_seconds, params=params,
@@ -97,7 +99,7 @@ def simulate(
         )
         results = run_matrix(traces, names, config, price_table, merged=one_market)
     if optimal:
-        groups = (markets if one_market and model == REPLAY_MODEL else labelled_groups)(traces, price_table)
+        groups = (markets if one_market else labelled_groups)(traces, price_table)
         results = _with_optimum(results, groups, config, len(names))
     if plot:
         _plot(results, plot)

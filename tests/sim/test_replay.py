@@ -291,3 +291,6 @@ def test_two_clouds_replay_as_one_market_each_zone_with_its_cloud_notice_and_pri
                                                          ("aws-a + gcp-b", "hazard_hedge")]
     lone = _spotctl("simulate", "--trace", str(tmp_path / "aws-a"), "--one-market", "--policy", "ondemand")
     assert lone.returncode == 2 and "at least two trace groups" in lone.stderr
+    paper = _spotctl("simulate", "--trace", str(tmp_path / "aws-a"), "--trace", str(tmp_path / "gcp-b"),
+                     "--one-market", "--model", "spothedge-paper")
+    assert paper.returncode == 2 and "--one-market does not apply" in paper.stderr
