@@ -9,7 +9,10 @@
    replica in a zone whose capacity came back lately (such capacity goes again soonest).
 3. On-demand covers only what spot cannot; a cover is launched for a shortfall no starting
    spot replica meets and kept until READY spot meets it. One loss brings at most one
-   replacement and one cover. Placement: empty zones first, then one pile; live price
+   replacement and one cover. A lone spot replica beside an on-demand cover of the whole
+   target lowers nothing: it is given back and its zone parked until another zone grants.
+   Placement: empty calm zones first (a storm makes its region or cloud one failure domain:
+   spot moves to calm markets in other regions or clouds first), then one pile; live price
    (plus its rising trend) x (1 + decaying hazard of zone, region, cloud); refusals back
    off per zone, a notice or preemption blocks its zone a while. docs/policies.md has the
    reasoning and the numbers.
