@@ -396,4 +396,5 @@ def test_default_policy_is_never_less_available_than_spothedge_without_notices(m
         return simulate(group, load_policy(name), SimConfig(notice=0.0), label)
 
     ratios, report = _compare(run, _shared_groups())
-    assert sum(ratios) / len(ratios) <= 1.0, "\n".join(report)
+    # Measured 0.965 without notices (the lone spot replica given back) and 0.952 in the paper model.
+    assert sum(ratios) / len(ratios) <= (0.97 if model == "no notice" else 0.96), "\n".join(report)
