@@ -9,7 +9,10 @@
    replica in a zone whose capacity came back lately (such capacity goes again soonest).
 3. On-demand covers only what spot cannot; a cover is launched for a shortfall no starting
    spot replica meets and kept until READY spot meets it. One loss brings at most one
-   replacement and one cover. Placement: empty zones first, then one pile; live price
+   replacement and one cover. A lone spot replica beside an on-demand cover of the whole
+   target lowers nothing: it is given back and its zone parked until another zone grants.
+   Placement: empty calm zones first (a storm makes its region or cloud one failure domain:
+   spot moves to calm markets in other regions or clouds first), then one pile; live price
    (plus its rising trend) x (1 + decaying hazard of zone, region, cloud); refusals back
    off per zone, a notice or preemption blocks its zone a while. docs/policies.md has the
    reasoning and the numbers.
@@ -76,6 +79,10 @@ class HazardHedgePolicy(PlacementPolicy):
         self._warned: dict[str, tuple[float, bool]] = {}  # notice time, serving then
         self._ever_ready = False  # before the first READY replica nothing serves to cover
         self._cold_seen: set[str] = set()
+        # Zones whose lone spot replica was given back (it could not lower on-demand): no spot
+        # goes there until another zone grants, so the zone is not re-bought only to idle.
+        self._parked: set[Location] = set()
+        self._most_held: dict[Location, int] = {}  # the most spot replicas a zone held at once
 
     # ------------------------------------------------------------ learning from events
 
@@ -93,6 +100,8 @@ class HazardHedgePolicy(PlacementPolicy):
             self._block(loc, at + min(self.retry_base * 2 ** min(n - 1, 30), self.retry_max))
         elif event.kind is EventKind.LAUNCHED:
             self._fails.pop(loc, None)  # the zone grants again
+            if loc not in self._parked:
+                self._parked.clear()  # a second zone grants: the parked ones are worth holding again
         elif event.kind is EventKind.NOTICE:
             if rid is not None:  # when, and whether it was serving (a starting one costs nothing)
                 self._warned[rid] = (at, rid in self._serving)
@@ -177,11 +186,14 @@ class HazardHedgePolicy(PlacementPolicy):
         need = max(0, view.target - view.params.base_ondemand_fallback_replicas)  # what spot should serve
         # A warned replica is as good as gone: it is replaced, never counted.
         spot = [r for r in view.by_market(Market.SPOT) if r.phase is not Phase.DRAINING]
+        for loc, n in count_by_location(r for r in spot if r.phase is not Phase.LAUNCHING).items():
+            self._most_held[loc] = max(self._most_held.get(loc, 0), n)
         extra = self.overprovision(view) if view.params.use_spot else 0
         if not view.params.use_spot:
             decision.removals += [Removal(r.replica_id, "use_spot is off") for r in spot]
             spot, goal = [], 0
         elif extra:
+            spot = self._park_lone_spot(view, spot, need, extra, decision)
             goal = self._hedge_size(view, spot, need, extra, spot_prices)
         else:
             goal = need
@@ -193,14 +205,35 @@ class HazardHedgePolicy(PlacementPolicy):
         self._cover(view, spot, need, extra, decision)
         return decision
 
+    def _park_lone_spot(self, view: PolicyInput, spot: list[ReplicaView], need: int, extra: int,
+                        decision: Decision) -> list[ReplicaView]:
+        """Give back spot that cannot lower on-demand: while hedging, `extra` or fewer READY
+        spot replicas (nothing else of spot starting) leave on-demand at the whole target, which
+        already serves. Their zones are parked; returns the spot replicas kept."""
+        if not spot or len(spot) > extra or any(r.phase is not Phase.READY for r in spot):
+            return spot
+        if not all(self._fails.get(r.location) and self._most_held.get(r.location, 0) <= 1 for r in spot):
+            return spot  # its zone may take more (now or as it did before): a second one lowers on-demand
+        od_ready = [r for r in view.by_market(Market.ON_DEMAND) if r.phase is Phase.READY]
+        if len(od_ready) < need:
+            return spot
+        for r in spot:
+            self._parked.add(r.location)
+            decision.removals.append(
+                Removal(r.replica_id, f"spot cannot lower on-demand ({len(od_ready)} serve the target): "
+                                      f"{r.location} parked until another zone grants")
+            )
+        return []
+
     def _candidates(self, view: PolicyInput) -> list[Location]:
         """Where a spot replica may go now: not backing off after a refusal, not being
-        reclaimed (nor storming, with `storm_guard`)."""
+        reclaimed (nor storming, with `storm_guard`), not parked."""
         now = view.now
         return [
             loc
             for loc in view.locations
-            if self._blocked_until.get(loc, 0.0) <= now and not (self.storm_guard and self.storm.stormy(loc, now))
+            if self._blocked_until.get(loc, 0.0) <= now and loc not in self._parked
+            and not (self.storm_guard and self.storm.stormy(loc, now))
         ]
 
     def _room(self, view: PolicyInput, spot: list[ReplicaView]) -> dict[Location, int]:
@@ -211,6 +244,8 @@ class HazardHedgePolicy(PlacementPolicy):
         for loc in self._candidates(view):
             # A zone that refused since its last grant is probed one replica at a time.
             room[loc] = held.get(loc, 0) + 1 if self._fails.get(loc) else _UNBOUNDED
+        for loc in self._parked:
+            room.setdefault(loc, 1)  # it granted when last asked: counted on, once another zone grants
         return room
 
     def _hedge_size(self, view: PolicyInput, spot: list[ReplicaView], need: int, extra: int, prices) -> int:
@@ -245,13 +280,24 @@ class HazardHedgePolicy(PlacementPolicy):
         # A location the price book does not quote is still usable, at the dearest known price.
         unquoted = max(prices.values(), default=1.0)
         base_score = {loc: self.score(loc, prices.get(loc, unquoted), now) for loc in candidates}
+        # A storm makes its region (or cloud) one failure domain: new spot goes to calm markets
+        # elsewhere (another region or cloud) before the stormy ones, as it goes to settled
+        # zones before young ones; on-demand covers only what no spot market can take.
+        storms = self.storms(now)
         for i in range(n):
             if not candidates:
-                break  # every zone refused, is being reclaimed or storms: on-demand covers
-            loc = min(candidates, key=lambda c: _placement_key(c, counts, self.young(c, now), base_score[c]))
+                break  # every zone refused or is being reclaimed (or storms, guarded): on-demand covers
+            loc = min(candidates, key=lambda c: _placement_key(
+                c, counts, self.young(c, now) or self.storm.stormy(c, now), base_score[c]))
             counts[loc] = counts.get(loc, 0) + 1
             price = f" at ${prices[loc]:.3f}/h" if loc in prices else ""
-            decision.launches.append(Launch(loc, Market.SPOT, f"spot {len(spot) + i + 1}/{len(spot) + n}{price}"))
+            where = ""
+            if storms:
+                stormy = self.storm.stormy(loc, now)
+                where = f", {'inside' if stormy else 'calm market away from'} storm in {', '.join(storms)}"
+            decision.launches.append(
+                Launch(loc, Market.SPOT, f"spot {len(spot) + i + 1}/{len(spot) + n} in {loc}{price}{where}")
+            )
 
     def _surplus(self, spot: list[ReplicaView], goal: int, prices, now: float) -> list[ReplicaView]:
         """The replicas beyond `goal`: starting ones first, then READY ones from the most

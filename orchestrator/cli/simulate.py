@@ -17,6 +17,7 @@ from orchestrator.sim.paper import MODEL as PAPER_MODEL
 from orchestrator.sim.paper import PaperConfig, run_paper_matrix
 from orchestrator.sim.replay import SKYSERVE_EVAL_PARAMS, SimConfig, SimResult, run_matrix
 from orchestrator.sim.traces import labelled_groups, load_price_table
+from orchestrator.sim.traces import one_market as markets
 from policies.base import DEFAULT_POLICY, available_policies
 
 console = Console(width=None if sys.stdout.isatty() else 170)
@@ -61,6 +62,9 @@ def simulate(
     zone_order: str = typer.Option(
         None, "--zone-order", help=f"{PAPER_MODEL}: comma-separated zones, their order before the first shuffle."
     ),
+    one_market: bool = typer.Option(
+        False, "--one-market", help="Replay the traces as one market (several clouds, each zone its own prices)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON array, one object per policy and trace."),
     plot: Path = typer.Option(None, "--plot", help="Write a PNG of READY replicas and cost over time (replay)."),
 ) -> None:
@@ -77,6 +81,8 @@ def simulate(
         for flag, value in (("--notice", notice), ("--plot", plot)):
             if value is not None:
                 raise UserError(f"{flag} does not apply to --model {PAPER_MODEL} (preemptions come without notice)")
+        if one_market:
+            raise UserError(f"--one-market does not apply to --model {PAPER_MODEL} (one spot price everywhere)")
         config = PaperConfig(
             target=target, cold_start=cold_start, od_price_ratio=od_price_ratio, windows=windows, seed=seed,
             sample_seconds=sample_seconds, params=params,
@@ -91,9 +97,10 @@ def simulate(
             target=target, cold_start=cold_start, notice=notice, od_price_ratio=od_price_ratio, params=params,
             series_points=1500 if plot else 0,
         )
-        results = run_matrix(traces, names, config, price_table)
+        results = run_matrix(traces, names, config, price_table, merged=one_market)
     if optimal:
-        results = _with_optimum(results, traces, config, price_table, len(names))
+        groups = (markets if one_market else labelled_groups)(traces, price_table)
+        results = _with_optimum(results, groups, config, len(names))
     if plot:
         _plot(results, plot)
     if as_json:
@@ -119,13 +126,13 @@ def simulate(
         console.print(f"plot written to {plot}")
 
 
-def _with_optimum(results: list[SimResult], traces, config, prices, per_trace: int) -> list[SimResult]:
+def _with_optimum(results: list[SimResult], groups, config, per_trace: int) -> list[SimResult]:
     """The results with each trace's offline optimum after its policies' rows."""
     from orchestrator.sim.optimum import paper_optimum, replay_optimum
 
     solve = paper_optimum if isinstance(config, PaperConfig) else replay_optimum
     out = []
-    for i, (label, group) in enumerate(labelled_groups(traces, prices)):
+    for i, (label, group) in enumerate(groups):
         out += results[i * per_trace : (i + 1) * per_trace]
         out.append(solve(group, config, label))
     return out

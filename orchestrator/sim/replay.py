@@ -21,7 +21,7 @@ from pathlib import Path
 from orchestrator.common.errors import UserError
 from orchestrator.fleet import decisions
 from orchestrator.fleet.lifecycle import ReplicaState
-from orchestrator.sim.traces import TraceGroup, ZoneTrace, labelled_groups
+from orchestrator.sim.traces import TraceGroup, ZoneTrace, labelled_groups, one_market
 from policies.base import (
     EventKind,
     MarketEvent,
@@ -66,8 +66,13 @@ class SimConfig:
             raise UserError(f"--od-price-ratio must be > 0, got {self.od_price_ratio}")
 
     def notice_for(self, group: TraceGroup) -> float:
-        """The notice a replay of `group` gives: the configured one, else its cloud's."""
-        return self.notice if self.notice is not None else notice_seconds(group.cloud)
+        """The notice a replay of `group` gives: the configured one, else its cloud's (the
+        shortest of its clouds' for a merged group)."""
+        return min(self.notice_for_zone(z) for z in group.zones)
+
+    def notice_for_zone(self, zone: ZoneTrace) -> float:
+        """The notice a replica in `zone` gets: the configured one, else its cloud's."""
+        return self.notice if self.notice is not None else notice_seconds(zone.location.cloud)
 
 
 @dataclasses.dataclass
@@ -124,6 +129,7 @@ class Simulation:
     def __init__(self, group: TraceGroup, policy: PlacementPolicy, config: SimConfig, label: str | None = None):
         self.g, self.policy, self.cfg = group, policy, config
         self.notice = config.notice_for(group)
+        self.zone_notice = [config.notice_for_zone(z) for z in group.zones]  # clouds differ in a merged group
         self.label = label or group.name
         self.locations = [z.location for z in group.zones]
         self.zone_of = {loc: i for i, loc in enumerate(self.locations)}
@@ -181,7 +187,8 @@ class Simulation:
         g = self.g
         for i, z in enumerate(g.zones):
             for market, price in ((Market.SPOT, z.spot_prices[tick]), (Market.ON_DEMAND, self.od_price[i])):
-                out.append(Offer(z.location, g.kind, g.kind, g.gpus_per_replica, market, price, tick * g.gap))
+                kind = z.kind or g.kind
+                out.append(Offer(z.location, kind, kind, g.gpus_per_replica, market, price, tick * g.gap))
         self._offers, self._offers_tick = decisions.price_book(out, self.locations), tick
         return self._offers
 
@@ -249,7 +256,7 @@ class Simulation:
             self.held[r.zone] += 1
         self._apply(r, decisions.LAUNCH_GRANTED, t)
         self._push(max(t, r.asked_at + self.cfg.cold_start), _READY, r.rid)
-        if r.market is Market.SPOT and self.notice > 0:
+        if r.market is Market.SPOT and self.zone_notice[r.zone] > 0:
             self._warn_zone(r.zone, t)  # came up inside a notice window: warned at once
 
     def _ready(self, r: _Replica, t: float) -> None:
@@ -263,7 +270,7 @@ class Simulation:
         """Warn the replicas that the zone's capacity drops within the notice window will take."""
         gap, drops, cap = self.g.gap, self.drops[zone], self.g.zones[zone].capacity
         lo = bisect.bisect_right(drops, t / gap)
-        hi = bisect.bisect_right(drops, (t + self.notice) / gap)
+        hi = bisect.bisect_right(drops, (t + self.zone_notice[zone]) / gap)
         for j in drops[lo:hi]:
             deadline = j * gap
             if deadline <= t:
@@ -292,9 +299,9 @@ class Simulation:
         gap, end = g.gap, g.duration
         # Look-ahead moments (a drop's time minus the notice); earlier ones than the start are
         # covered by warning each replica as it comes up.
-        notice = self.notice
+        notice, zn = self.notice, self.zone_notice
         notice_checks = sorted(
-            (j * gap - notice, z) for z, ds in enumerate(self.drops) for j in ds if notice > 0 and j * gap - notice >= 0
+            (j * gap - zn[z], z) for z, ds in enumerate(self.drops) for j in ds if zn[z] > 0 and j * gap - zn[z] >= 0
         )
         nc = 0
         tick = 0
@@ -422,12 +429,10 @@ def run_matrix(
     policy_names: Sequence[str],
     config: SimConfig,
     prices: dict[str, float] | None = None,
+    merged: bool = False,
 ) -> list[SimResult]:
-    """Every policy on every trace group under `trace_dirs` (each run with a fresh policy).
-    Raises UserError for a bad policy name or trace folder."""
+    """Every policy on every trace group under `trace_dirs` (each run with a fresh policy);
+    `merged`: all of them as one market. Raises UserError for a bad policy name or trace folder."""
     check_policies(policy_names)
-    return [
-        simulate(group, load_policy(name), config, label)
-        for label, group in labelled_groups(trace_dirs, prices)
-        for name in policy_names
-    ]
+    groups = one_market(trace_dirs, prices) if merged else labelled_groups(trace_dirs, prices)
+    return [simulate(group, load_policy(name), config, label) for label, group in groups for name in policy_names]

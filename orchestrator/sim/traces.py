@@ -4,6 +4,7 @@ A trace folder holds one JSON file per zone and instance kind (ZONE_KIND.json: a
 `gap_seconds`, the count of instances the zone let one hold at each tick, optional
 prices). A trace group is one folder, or one instance kind of a mixed folder: the zones a
 policy chooses from, cut to their common prefix. The cloud comes from the folder's name.
+`merge_groups` makes several groups (several clouds' traces) one market.
 Used by the replay engine (orchestrator.sim.replay), the paper model (orchestrator.sim.paper),
 the offline optimum, `spotctl simulate` and the policy benchmark.
 """
@@ -40,6 +41,7 @@ class ZoneTrace:
     location: Location
     capacity: list[int]
     spot_prices: list[float]  # $/hour per tick, same length as capacity
+    kind: str = ""  # the zone's instance kind where a merged group mixes kinds ("": the group's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,11 @@ class TraceGroup:
     @property
     def cloud(self) -> str:
         return self.zones[0].location.cloud
+
+    @property
+    def clouds(self) -> list[str]:
+        """Every cloud the group's zones belong to (several for a merged group)."""
+        return sorted({z.location.cloud for z in self.zones})
 
     @property
     def single_node(self) -> bool:
@@ -174,6 +181,40 @@ def load_groups(folder: str | Path, prices: dict[str, float] | None = None) -> l
     return groups
 
 
+def merge_groups(groups: list[TraceGroup], name: str | None = None) -> TraceGroup:
+    """Several trace groups as one market: every zone keeps its cloud, kind and prices, all on
+    the finest sample length (each sample held until its next) and cut to the shortest span.
+    Raises UserError for fewer than two groups or a zone named twice."""
+    if len(groups) < 2:
+        raise UserError("merging traces into one market needs at least two trace groups")
+    locations = [z.location for g in groups for z in g.zones]
+    if len(set(locations)) != len(locations):
+        raise UserError("merging traces: a zone appears in two of them: " +
+                        ", ".join(sorted({str(loc) for loc in locations if locations.count(loc) > 1})))
+    gap = min(g.gap for g in groups)
+    ticks = int(min(g.duration for g in groups) // gap)
+    zones = []
+    for g in groups:
+        # Tick i of the merged grid lies in sample floor(i * gap / g.gap) of the group's own.
+        index = [min(int(i * gap // g.gap), g.ticks - 1) for i in range(ticks)]
+        for z in g.zones:
+            zones.append(ZoneTrace(z.location, [z.capacity[j] for j in index], [z.spot_prices[j] for j in index],
+                                   z.kind or g.kind))
+    kinds = list(dict.fromkeys(z.kind for z in zones))
+    return TraceGroup(name or "+".join(g.name for g in groups), gap, "+".join(kinds), zones,
+                      "+".join(g.folder for g in groups))
+
+
+def cloud_part(group: TraceGroup, cloud: str) -> TraceGroup:
+    """The zones of one cloud of a (merged) group, on the same grid and span: the single-cloud
+    market to compare a multi-cloud replay with. Raises UserError if the group has none."""
+    zones = [z for z in group.zones if z.location.cloud == cloud]
+    if not zones:
+        raise UserError(f"trace group {group.name} has no zone of cloud {cloud!r}")
+    kinds = list(dict.fromkeys(z.kind or group.kind for z in zones))
+    return dataclasses.replace(group, name=f"{group.name}[{cloud}]", kind="+".join(kinds), zones=zones)
+
+
 def expand_trace_dirs(paths: Iterable[str | Path]) -> list[tuple[Path, Path | None]]:
     """(trace folder, the folder it was found under) for each path: a trace folder itself
     (root None), or a folder whose sub-folders at any depth hold trace folders. Raises
@@ -210,3 +251,12 @@ def labelled_groups(
         for folder, root in expand_trace_dirs(trace_dirs)
         for g in load_groups(folder, prices)
     ]
+
+
+def one_market(
+    trace_dirs: Iterable[str | Path], prices: dict[str, float] | None = None
+) -> list[tuple[str, TraceGroup]]:
+    """Every trace group under `trace_dirs` merged into one market, as [(label, group)]."""
+    labelled = labelled_groups(trace_dirs, prices)
+    label = " + ".join(label for label, _ in labelled)
+    return [(label, merge_groups([g for _, g in labelled], label))]

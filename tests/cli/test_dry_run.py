@@ -64,7 +64,8 @@ def test_a_dry_run_names_what_is_wrong_in_one_line(tmp_path, state_home):
 def test_one_service_is_planned_across_clouds_when_the_cheapest_markets_are_on_different_clouds(tmp_path,
                                                                                                 state_home):
     """templates/multi-cloud.yaml over AWS, GCP and Azure: with AWS's cheapest L4 zone priced below
-    GCP's (a catalog the test writes), the spot replicas spread over both clouds' cheapest zones."""
+    GCP's (a catalog the test writes), the spot replicas spread over both clouds' cheapest zones
+    (the cheapest calm markets are on different clouds)."""
     import os
     import shutil
 
@@ -89,3 +90,10 @@ def test_one_service_is_planned_across_clouds_when_the_cheapest_markets_are_on_d
     spot = [p for p in plan if p["market"] == "spot"]
     assert {p["cloud"] for p in spot} == {"aws", "gcp"}, plan
     assert min(spot, key=lambda p: p["price_per_hour"])["cloud"] == "aws"
+    # As its comment says: min_replicas + num_overprovision spot replicas (no cloud's notices
+    # are trusted yet), one per zone, each reason naming its market; on-demand only as covers
+    # of the first cold start, never more than the target.
+    assert len(spot) == 3 + 1 and len({(p["cloud"], p["zone"]) for p in spot}) == len(spot)
+    assert all(f"in {p['cloud']}/{p['region']}/{p['zone']}" in p["reason"] for p in spot), plan
+    od = [p for p in plan if p["market"] == "on_demand"]
+    assert len(od) <= 3 and all(p["reason"].startswith("on-demand cover") for p in od), plan

@@ -271,6 +271,65 @@ def test_storm_guard_covers_healthy_replicas_still_in_the_stormy_region():
     assert not HazardHedgePolicy().decide(view(reps, prices=PRICES4, now=110.0, params=PLAIN))  # off by default
 
 
+def test_a_lone_spot_replica_that_cannot_lower_on_demand_is_given_back_until_another_zone_grants():
+    """Two zones of one instance each, without notices: C holds one READY spot replica and
+    refused a second, D refuses; three on-demand replicas serve the target. The spot replica
+    lowers nothing (losing it must still leave three): it goes, and C is not bought again
+    until D grants; then C is wanted again (two spot replicas let one on-demand go)."""
+    prices = {C: 0.9, D: 0.95}
+    p = HazardHedgePolicy()
+    p.observe(MarketEvent(EventKind.LAUNCHED, C, Market.SPOT, 0.0, "s1"))
+    p.observe(MarketEvent(EventKind.READY, C, Market.SPOT, 120.0, "s1"))
+    for at, loc, rid in ((30.0, C, "x1"), (190.0, D, "x2")):
+        p.observe(MarketEvent(EventKind.CAPACITY_ERROR, loc, Market.SPOT, at, rid))
+    covers = [replica(f"o{i}", C, market=Market.ON_DEMAND) for i in range(3)]
+    d = p.decide(view([replica("s1", C), *covers], prices=prices, now=200.0))
+    assert [r.replica_id for r in d.removals] == ["s1"] and "cannot lower on-demand" in d.removals[0].reason
+    assert C not in spot_launches(d) and not od_launches(d)
+    p.observe(MarketEvent(EventKind.TERMINATED, C, Market.SPOT, 200.0, "s1"))
+    # D still backing off, C parked: nothing is bought; D is probed once its back-off ends.
+    assert not p.decide(view(covers, prices=prices, now=210.0))
+    assert set(spot_launches(p.decide(view(covers, prices=prices, now=400.0)))) == {D}
+    # D grants: C is worth holding again, beside it.
+    p.observe(MarketEvent(EventKind.LAUNCHED, D, Market.SPOT, 430.0, "s2"))
+    d = p.decide(view([replica("s2", D, Phase.LAUNCHING), *covers], prices=prices, now=430.0))
+    assert C in spot_launches(d) and not d.removals
+    # A zone that once held two at a time (a multi-instance zone) is never given back this way.
+    q = HazardHedgePolicy()
+    q.decide(view([replica("s1", C), replica("s3", C)], prices=prices, now=100.0))
+    q.observe(MarketEvent(EventKind.CAPACITY_ERROR, C, Market.SPOT, 150.0, "x3"))
+    assert not q.decide(view([replica("s1", C), *covers], prices=prices, now=200.0)).removals
+
+
+def test_a_storm_moves_new_spot_to_calm_markets_in_another_region_or_cloud_and_says_so():
+    """Two us-east-1 replicas lost in a minute: a region storm. The replacements go to calm
+    zones elsewhere (us-west-2 and the other cloud's), not to the storming region's open zone,
+    even though it is the cheapest; the launch reasons name the storm. On-demand
+    covers what is short meanwhile, its reason naming the storm too."""
+    E = Location("gcp", "us-central1", "us-central1-a")
+    prices = {**PRICES4, E: 0.97}
+    p = HazardHedgePolicy()
+    reps = [replica("s1", A), replica("s2", B), replica("s3", C)]
+    for r in reps:
+        p.observe(MarketEvent(EventKind.READY, r.location, Market.SPOT, 50.0, r.replica_id))
+    p.observe(MarketEvent(EventKind.PREEMPTED, A, Market.SPOT, 100.0, "s1"))
+    p.observe(MarketEvent(EventKind.PREEMPTED, B, Market.SPOT, 130.0, "s2"))
+    assert p.storms(130.0) == ["aws/us-east-1"]
+    # Ten minutes on, the zones' own blocks are over; the region still storms (30 calm minutes).
+    d = p.decide(view([reps[2]], target=3, prices=prices, now=740.0, params=PLAIN))
+    assert sorted(spot_launches(d)) == sorted([D, E])  # the other cloud first: it shares no hazard
+    spot_reasons = [x.reason for x in d.launches if x.market is Market.SPOT]
+    assert all("calm market away from storm in aws/us-east-1" in r for r in spot_reasons), spot_reasons
+    assert any("gcp/us-central1/us-central1-a" in r for r in spot_reasons)
+    assert od_launches(d) and all("storm in aws/us-east-1" in x.reason for x in d.launches
+                                  if x.market is Market.ON_DEMAND)
+    # No calm market left (both calm zones refusing): the stormy region is used, and says so.
+    for loc in (D, E):
+        p.observe(MarketEvent(EventKind.CAPACITY_ERROR, loc, Market.SPOT, 770.0, f"x-{loc.zone}"))
+    d = p.decide(view([reps[2]], target=2, prices=prices, now=775.0, params=PLAIN))
+    assert spot_launches(d) == [B] and "inside storm in aws/us-east-1" in d.launches[0].reason
+
+
 def test_rising_price_steers_new_replicas_away():
     p = HazardHedgePolicy()
     p.decide(view(prices={A: 0.5, C: 0.6}, target=1, now=0.0, params=PLAIN))
@@ -337,4 +396,5 @@ def test_default_policy_is_never_less_available_than_spothedge_without_notices(m
         return simulate(group, load_policy(name), SimConfig(notice=0.0), label)
 
     ratios, report = _compare(run, _shared_groups())
-    assert sum(ratios) / len(ratios) <= 1.0, "\n".join(report)
+    # Measured 0.965 without notices (the lone spot replica given back) and 0.952 in the paper model.
+    assert sum(ratios) / len(ratios) <= (0.97 if model == "no notice" else 0.96), "\n".join(report)

@@ -11,7 +11,14 @@ import pytest
 
 from orchestrator.common.errors import UserError
 from orchestrator.sim.replay import SimConfig, run_matrix, simulate
-from orchestrator.sim.traces import DEFAULT_SPOT_PRICES, expand_trace_dirs, load_groups, load_price_table
+from orchestrator.sim.traces import (
+    DEFAULT_SPOT_PRICES,
+    cloud_part,
+    expand_trace_dirs,
+    load_groups,
+    load_price_table,
+    merge_groups,
+)
 from policies.base import Decision, EventKind, MarketEvent, Phase, PlacementPolicy, PolicyInput
 from policies.cheapest import CheapestZonePolicy
 from policies.ondemand import OnDemandPolicy
@@ -248,3 +255,42 @@ def test_cli_json_plot_and_errors(tmp_path):
         assert bad.returncode == 2, bad.stderr
         assert needle in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
         assert "Traceback" not in bad.stderr
+
+
+def test_two_clouds_replay_as_one_market_each_zone_with_its_cloud_notice_and_price(tmp_path):
+    """An AWS trace (60 s samples, a dear zone) and a GCP one (30 s, cheap): one market on
+    30 s samples, cut to the shorter span; a replica is warned as long ahead as its own
+    cloud warns, and the cheapest policy goes where the price is lowest, whatever the cloud."""
+    write_trace(tmp_path / "aws-a", "us-east-1a_v100_1", [1] * 10, gap=60, prices=[2.0] * 10)
+    write_trace(tmp_path / "gcp-b", "us-central1-a_v100_1", [1] * 12 + [0] * 8, gap=30, prices=[0.5] * 20)
+    (aws,) = load_groups(tmp_path / "aws-a")
+    (gcp,) = load_groups(tmp_path / "gcp-b")
+    market = merge_groups([aws, gcp])
+    assert market.clouds == ["aws", "gcp"] and market.gap == 30 and market.ticks == 20
+    assert [z.location.cloud for z in market.zones] == ["aws", "gcp"]
+    assert market.zones[0].capacity == [1] * 20 and market.zones[0].spot_prices == [2.0] * 20
+    rec = Recorder(CheapestZonePolicy())
+    r = simulate(market, rec, SimConfig(target=1))
+    launched = [e for e in rec.events if e.kind is EventKind.LAUNCHED]
+    assert launched[0].location.cloud == "gcp"  # the cheapest zone, on the other cloud
+    # GCP's capacity ends at 360 s: its replica is warned GCP's 30 s ahead, not AWS's 120.
+    notices = [e for e in rec.events if e.kind is EventKind.NOTICE]
+    assert [(e.location.cloud, e.at) for e in notices] == [("gcp", 330.0)]
+    assert r.notice_s == 30.0  # the shortest notice in the market
+    assert cloud_part(market, "aws").zones == market.zones[:1]
+    with pytest.raises(UserError, match="at least two"):
+        merge_groups([aws])
+    with pytest.raises(UserError, match="appears in two"):
+        merge_groups([aws, aws])
+
+    out = _spotctl("simulate", "--trace", str(tmp_path / "aws-a"), "--trace", str(tmp_path / "gcp-b"),
+                   "--one-market", "--policy", "spothedge,default", "--target", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert [(r["trace"], r["policy"]) for r in rows] == [("aws-a + gcp-b", "spothedge"),
+                                                         ("aws-a + gcp-b", "hazard_hedge")]
+    lone = _spotctl("simulate", "--trace", str(tmp_path / "aws-a"), "--one-market", "--policy", "ondemand")
+    assert lone.returncode == 2 and "at least two trace groups" in lone.stderr
+    paper = _spotctl("simulate", "--trace", str(tmp_path / "aws-a"), "--trace", str(tmp_path / "gcp-b"),
+                     "--one-market", "--model", "spothedge-paper")
+    assert paper.returncode == 2 and "--one-market does not apply" in paper.stderr
