@@ -4,11 +4,9 @@ scheduled event injected at one replica's IMDS mid-stream. See tests/e2e/emulate
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.e2e.emulated import walk
+from tests.e2e.emulated import emulated, walk
 from tests.fakes.emulated_azure import EmulatedAzure
 from tests.fakes.vm_runner import VMRunner
 from tests.helpers import REPO
@@ -18,12 +16,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
 @pytest.fixture
 def azure(tmp_path, state_home, monkeypatch, models_dir, replica_runtime, tiny_model):
-    emulator = EmulatedAzure(VMRunner(tmp_path / "vms", models_dir)).start()
-    for key, value in emulator.env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("SPOT_ORCHESTRATOR_PUBLIC_URL", f"http://127.0.0.1:{os.environ['SPOT_ORCHESTRATOR_DAEMON_PORT']}")
-    yield emulator
-    emulator.close()
+    with emulated(monkeypatch, EmulatedAzure(VMRunner(tmp_path / "vms", models_dir))) as emulator:
+        yield emulator
 
 
 def test_emulated_azure_replicas_boot_serve_survive_a_preemption_and_leave_nothing(azure, tmp_path):

@@ -5,11 +5,9 @@ tests/e2e/emulated.py for the path."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.e2e.emulated import walk
+from tests.e2e.emulated import emulated, walk
 from tests.fakes.emulated_gcp import EmulatedGCP
 from tests.fakes.vm_runner import VMRunner
 from tests.helpers import REPO
@@ -19,12 +17,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
 @pytest.fixture
 def gcp(tmp_path, state_home, monkeypatch, models_dir, replica_runtime, tiny_model):
-    emulator = EmulatedGCP(VMRunner(tmp_path / "vms", models_dir)).start()
-    for key, value in emulator.env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("SPOT_ORCHESTRATOR_PUBLIC_URL", f"http://127.0.0.1:{os.environ['SPOT_ORCHESTRATOR_DAEMON_PORT']}")
-    yield emulator
-    emulator.close()
+    with emulated(monkeypatch, EmulatedGCP(VMRunner(tmp_path / "vms", models_dir))) as emulator:
+        yield emulator
 
 
 def test_emulated_gcp_replicas_boot_serve_survive_a_preemption_and_leave_nothing(gcp, tmp_path):
