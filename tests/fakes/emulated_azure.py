@@ -56,6 +56,7 @@ class EmulatedAzure:
         self._lock = threading.RLock()
         self._servers = contextlib.ExitStack()
         self._vm_servers: dict[str, contextlib.ExitStack] = {}
+        self._stopping: list[threading.Thread] = []  # machines shutting down, joined at close
 
     # ---- life ----------------------------------------------------------------------------
 
@@ -83,6 +84,8 @@ class EmulatedAzure:
                      "NextPageLink": None, "Count": len(items)}
 
     def close(self) -> None:
+        for thread in self._stopping:  # a machine left half stopped would outlive the test
+            thread.join(timeout=30)
         if self.runner is not None:
             self.runner.close()
         for stack in self._vm_servers.values():
@@ -201,7 +204,9 @@ class EmulatedAzure:
                 if stack is not None:
                     stack.close()
 
-            threading.Thread(target=stop, daemon=True).start()
+            thread = threading.Thread(target=stop, daemon=True)
+        self._stopping.append(thread)
+        thread.start()
         return 200, ""
 
     # ---- what a test does to it --------------------------------------------------------------

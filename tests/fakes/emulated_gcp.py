@@ -53,6 +53,7 @@ class EmulatedGCP:
         self._lock = threading.RLock()
         self._servers = contextlib.ExitStack()
         self._vm_servers: dict[str, contextlib.ExitStack] = {}
+        self._stopping: list[threading.Thread] = []  # machines shutting down, joined at close
 
     # ---- life ----------------------------------------------------------------------------
 
@@ -66,6 +67,8 @@ class EmulatedGCP:
                 "SPOT_ORCHESTRATOR_REPLICA_ADDRESS": "private"}
 
     def close(self) -> None:
+        for thread in self._stopping:  # a machine left half stopped would outlive the test
+            thread.join(timeout=30)
         if self.runner is not None:
             self.runner.close()
         for stack in self._vm_servers.values():
@@ -177,7 +180,9 @@ class EmulatedGCP:
             if stack is not None:
                 stack.close()
 
-        threading.Thread(target=stop, daemon=True).start()
+        thread = threading.Thread(target=stop, daemon=True)
+        self._stopping.append(thread)
+        thread.start()
 
     # ---- what a test does to it --------------------------------------------------------------
 
