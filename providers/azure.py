@@ -32,6 +32,7 @@ from azure.mgmt.compute import models as m
 from providers.catalog.loader import SOURCE_LIVE, accelerator_for, catalog_offers, catalog_regions, gpu_instance_types
 from providers.base import (
     TAG_MANAGED,
+    TAG_SERVICE,
     AuthError,
     CapacityError,
     Instance,
@@ -45,15 +46,21 @@ from providers.base import (
     Provider,
     ProviderError,
     QuotaError,
+    ServiceNetwork,
     TransientError,
 )
 from providers import sdk
+from providers.images import DEFAULT_IMAGES
 
 log = logging.getLogger(__name__)
 
 RETAIL_PRICES_URL = "https://prices.azure.com/api/retail/prices"
-DEFAULT_IMAGE = {"publisher": "Canonical", "offer": "0001-com-ubuntu-server-jammy", "sku": "22_04-lts-gen2",
-                 "version": "latest"}
+# ARM other than Azure's public cloud (a sovereign cloud's, or an emulator's): "https://host[:port]".
+# A plain-http endpoint is a local one: it gets an anonymous bearer token, not the user's.
+ENDPOINT_ENV = "SPOT_ORCHESTRATOR_AZURE_ENDPOINT"
+RESOURCE_GROUP_ENV = "SPOT_ORCHESTRATOR_AZURE_RESOURCE_GROUP"
+PRICES_URL_ENV = "SPOT_ORCHESTRATOR_AZURE_PRICES_URL"  # the Retail Prices API (a mirror, or an emulator)
+VNET_PREFIX = "10.91.0.0/16"  # the address space of the network made per region when none is given
 NETWORK_API_VERSION = "2022-11-01"
 _CAPACITY = {"SkuNotAvailable", "AllocationFailed", "ZonalAllocationFailed", "OverconstrainedAllocationRequest",
              "OverconstrainedZonalAllocationRequest", "SpotCapacityNotAvailable"}
@@ -98,6 +105,30 @@ def vm_name(request: LaunchRequest) -> str:
     return f"so-{core}"[:64].rstrip("-")
 
 
+def image_reference(image: str) -> dict[str, str]:
+    """An image as ARM's imageReference: a URN "publisher:offer:sku:version" or a resource id."""
+    parts = image.split(":")
+    if len(parts) == 4:
+        return dict(zip(("publisher", "offer", "sku", "version"), parts, strict=True))
+    if image.startswith("/"):
+        return {"id": image}
+    raise ProviderError(f"azure: image {image!r}: expected publisher:offer:sku:version or a resource id")
+
+
+def network_name(service: str, region: str) -> str:
+    """The name of a service's NSG and application security group in a region."""
+    return f"spot-orchestrator-{service}-{region}"[:80]
+
+
+class _LocalCredential:
+    """A bearer token for a plain-http ARM endpoint on this network (never the user's own)."""
+
+    def get_token(self, *scopes, **kwargs):
+        from azure.core.credentials import AccessToken
+
+        return AccessToken("local-endpoint", int(time.time()) + 3600)
+
+
 class AzureProvider(Provider):
     name = "azure"
 
@@ -114,14 +145,17 @@ class AzureProvider(Provider):
                  attempts: int = 5, sleep: Callable[[float], None] = time.sleep):
         self._regions = list(regions) if regions else None  # None: the catalog's GPU regions, on first use
         self._subscription_id = subscription_id or os.environ.get("AZURE_SUBSCRIPTION_ID")
-        self.resource_group = resource_group
+        self.resource_group = os.environ.get(RESOURCE_GROUP_ENV) or resource_group
+        base_url = base_url or os.environ.get(ENDPOINT_ENV, "").strip().rstrip("/") or None
+        if credential is None and base_url and base_url.startswith("http://"):
+            credential = _LocalCredential()
         self._credential = credential
         self._base_url = base_url
         self._client = compute_client
         self._subnet_id = subnet_id
-        self._prices_url = prices_url
+        self._prices_url = os.environ.get(PRICES_URL_ENV) or prices_url
         self._http = http or requests.Session()
-        self._image = image or DEFAULT_IMAGE
+        self._image = image or image_reference(DEFAULT_IMAGES["azure"])
         self._admin_username = admin_username
         self._ssh_public_key = ssh_public_key
         self._eviction_policy = eviction_policy
@@ -166,7 +200,11 @@ class AzureProvider(Provider):
         for region in self.regions:
             query = (f"serviceName eq 'Virtual Machines' and priceType eq 'Consumption' "
                      f"and armRegionName eq '{region}' and ({sku_filter})")
-            out.extend(self._region_offers(region, query))
+            try:
+                out.extend(self._region_offers(region, query))
+            except TransientError as err:  # live prices are a bonus: the catalog still answers
+                log.warning("azure retail prices for %s: %s; using the catalog's prices", region, err)
+                out.extend(o for o in catalog_offers("azure", accelerator, count) if o.location.region == region)
         return out
 
     def _region_offers(self, region: str, query: str) -> list[Offer]:
@@ -194,6 +232,80 @@ class AzureProvider(Provider):
             out.append(Offer(Location("azure", region, region), itype, gpu[0], gpu[1], market, price, now, SOURCE_LIVE))
         return out
 
+    # ---- the service's network -----------------------------------------------------------
+
+    def _group_path(self) -> str:
+        if not self._subscription_id:
+            raise AuthError(f"azure: no subscription id; {_HOW_TO_AUTH}")
+        return f"/subscriptions/{self._subscription_id}/resourceGroups/{self.resource_group}"
+
+    def _network_id(self, kind: str, name: str) -> str:
+        return f"{self._group_path()}/providers/Microsoft.Network/{kind}/{name}"
+
+    def _subnet(self, region: str) -> str:
+        vnet = self._network_id("virtualNetworks", f"spot-orchestrator-{region}")
+        return self._subnet_id or f"{vnet}/subnets/replicas"
+
+    def _arm(self, method: str, path: str, body: dict | None = None, api_version: str = NETWORK_API_VERSION):
+        """One ARM call through the compute client's pipeline (auth, no retries of its own); the
+        reply's JSON, None for 404 on a GET or DELETE."""
+        from azure.core.rest import HttpRequest
+
+        compute = self._compute()
+        request = HttpRequest(method, f"{path}?api-version={api_version}", json=body)
+
+        def send():
+            reply = compute.send_request(request, **self._kw)
+            if reply.status_code == 404 and method in ("GET", "DELETE"):
+                return None
+            if reply.status_code >= 400:
+                raise HttpResponseError(response=reply)
+            return reply.json() if reply.content else {}
+
+        return self._call(send)
+
+    def prepare_network(self, network: ServiceNetwork) -> None:
+        """Per region: the resource group and a virtual network with one subnet when missing
+        (unless subnet_id= names one); an application security group for the service's VMs and
+        an NSG on their NICs that admits the replica ports from the daemon's addresses and from
+        that group, and nothing else from the virtual network (Azure's default rules admit it all)."""
+        regions = sorted(network.regions)
+        if not regions:
+            return
+        self._arm("PUT", self._group_path(), {"location": regions[0]}, api_version="2021-04-01")
+        ports = [str(p) for p in network.ports]
+        for region in regions:
+            vnet = self._subnet(region).rpartition("/subnets/")[0]
+            if self._subnet_id is None and self._arm("GET", vnet) is None:
+                self._arm("PUT", vnet, {"location": region, "properties": {
+                    "addressSpace": {"addressPrefixes": [VNET_PREFIX]},
+                    "subnets": [{"name": "replicas", "properties": {"addressPrefix": VNET_PREFIX}}]}})
+            name = network_name(network.service, region)
+            asg = self._network_id("applicationSecurityGroups", name)
+            tags = {TAG_SERVICE: network.service, TAG_MANAGED: "true"}
+            self._arm("PUT", asg, {"location": region, "tags": tags})
+
+            def rule(rule_name: str, priority: int, access: str, asg: str = asg, **source) -> dict:
+                return {"name": rule_name, "properties": {
+                    "protocol": "Tcp", "access": access, "direction": "Inbound", "priority": priority,
+                    "sourcePortRange": "*", "destinationPortRanges": ports if access == "Allow" else ["*"],
+                    "destinationApplicationSecurityGroups": [{"id": asg}], **source}}
+
+            self._arm("PUT", self._network_id("networkSecurityGroups", name), {
+                "location": region, "tags": tags, "properties": {"securityRules": [
+                    rule("daemon", 100, "Allow", sourceAddressPrefixes=list(network.allowed_cidrs)),
+                    rule("replicas", 110, "Allow", sourceApplicationSecurityGroups=[{"id": asg}]),
+                    rule("deny-virtual-network", 4000, "Deny", sourceAddressPrefix="VirtualNetwork")]}})
+
+    def remove_network(self, service: str, regions: Iterable[str] | None = None) -> None:
+        for region in sorted(set(regions)) if regions else self.regions:
+            name = network_name(service, region)
+            for kind in ("networkSecurityGroups", "applicationSecurityGroups"):
+                try:
+                    self._arm("DELETE", self._network_id(kind, name))
+                except ProviderError as err:
+                    log.warning("azure %s: deleting %s %s failed: %s", region, kind, name, err)
+
     # ---- instances ---------------------------------------------------------------------
 
     def launch(self, request: LaunchRequest) -> Instance:
@@ -201,8 +313,6 @@ class AzureProvider(Provider):
         existing = self.get(name)
         if existing is not None:  # PUT is idempotent, but never reconfigure a live replica
             return existing
-        if not self._subnet_id:
-            raise ProviderError("azure: pass subnet_id= (a subnet the VMs' NICs join) to launch VMs")
         vm = self._vm_resource(request, name)
         compute = self._compute()
         poller = self._call(lambda: compute.virtual_machines.begin_create_or_update(
@@ -225,25 +335,31 @@ class AzureProvider(Provider):
         if self._ssh_public_key:
             linux.ssh = m.SshConfiguration(public_keys=[m.SshPublicKey(
                 path=f"/home/{self._admin_username}/.ssh/authorized_keys", key_data=self._ssh_public_key)])
+        region = request.location.region
+        security = network_name(request.service, region)
         vm = m.VirtualMachine(
-            location=request.location.region,
+            location=region,
             tags=sdk.launch_tags(request),
             hardware_profile=m.HardwareProfile(vm_size=request.instance_type),
             storage_profile=m.StorageProfile(
-                image_reference=m.ImageReference(**self._image),
+                image_reference=m.ImageReference(
+                    **(image_reference(request.image_id) if request.image_id else self._image)),
                 os_disk=m.OSDisk(create_option="FromImage", delete_option="Delete", disk_size_gb=200)),
             os_profile=m.OSProfile(
                 computer_name=name, admin_username=self._admin_username,
                 # Nobody logs in with it; Azure requires a password when no SSH key is given.
                 admin_password=None if self._ssh_public_key else secrets.token_urlsafe(24) + "aA1!",
                 linux_configuration=linux,
-                custom_data=base64.b64encode(sdk.startup_script(request).encode()).decode()),
+                custom_data=base64.b64encode(sdk.user_data(request).encode()).decode()),
             network_profile=m.NetworkProfile(
                 network_api_version=NETWORK_API_VERSION,
                 network_interface_configurations=[m.VirtualMachineNetworkInterfaceConfiguration(
                     name=f"{name}-nic", primary=True, delete_option="Delete",
+                    network_security_group=m.SubResource(id=self._network_id("networkSecurityGroups", security)),
                     ip_configurations=[m.VirtualMachineNetworkInterfaceIPConfiguration(
-                        name="ipconfig1", subnet=m.SubResource(id=self._subnet_id),
+                        name="ipconfig1", subnet=m.SubResource(id=self._subnet(region)),
+                        application_security_groups=[m.SubResource(
+                            id=self._network_id("applicationSecurityGroups", security))],
                         public_ip_address_configuration=m.VirtualMachinePublicIPAddressConfiguration(
                             name=f"{name}-ip", delete_option="Delete"))])]),
             priority="Spot" if spot else "Regular",
@@ -262,8 +378,16 @@ class AzureProvider(Provider):
                                                                 expand="instanceView", **self._kw))
         except NotFoundError:
             return None
+        return self._observed(vm)
+
+    def _observed(self, vm: m.VirtualMachine) -> Instance:
+        """The instance, with its endpoint once it runs; a VM left Failed is deleted (its NIC,
+        address and disk go with it: delete_option Delete) and reported terminated."""
         instance = self._to_instance(vm)
-        if instance.status is InstanceStatus.RUNNING and sdk.TAG_PORT in instance.tags:
+        if (vm.provisioning_state or "").lower() == "failed":
+            log.warning("azure: VM %s failed to provision; deleting it with its NIC, address and disk", vm.name)
+            self.terminate(vm.name)
+        elif instance.status is InstanceStatus.RUNNING and sdk.TAG_PORT in instance.tags:
             instance.endpoint = sdk.endpoint(self._address(vm), instance.tags)
         return instance
 
@@ -277,7 +401,8 @@ class AzureProvider(Provider):
         config = ((nic or {}).get("properties", {}).get("ipConfigurations") or [{}])[0].get("properties", {})
         public_id = (config.get("publicIPAddress") or {}).get("id")
         public = self._arm_get(public_id) if public_id else None
-        return (public or {}).get("properties", {}).get("ipAddress") or config.get("privateIPAddress")
+        return sdk.reachable_address((public or {}).get("properties", {}).get("ipAddress"),
+                                     config.get("privateIPAddress"))
 
     def _arm_get(self, resource_id: str) -> dict | None:
         from azure.core.rest import HttpRequest
@@ -294,9 +419,13 @@ class AzureProvider(Provider):
     def list(self, tags: dict[str, str] | None = None, regions: Iterable[str] | None = None) -> Instances:
         wanted = tags or {TAG_MANAGED: "true"}
         compute = self._compute()
-        vms = self._call(lambda: list(compute.virtual_machines.list(self.resource_group, **self._kw)))
-        return Instances(self._to_instance(vm) for vm in vms
-                         if all((vm.tags or {}).get(k) == v for k, v in wanted.items()))
+        try:
+            vms = self._call(lambda: list(compute.virtual_machines.list(self.resource_group, **self._kw)))
+        except NotFoundError:  # no resource group yet: nothing launched
+            return Instances()
+        mine = [vm for vm in vms if all((vm.tags or {}).get(k) == v for k, v in wanted.items())
+                and (regions is None or vm.location in set(regions))]
+        return Instances(self._observed(vm) for vm in mine)
 
     def terminate(self, instance_id: str) -> None:
         compute = self._compute()

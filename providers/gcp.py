@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import os
 import re
 import time
 import uuid
@@ -47,16 +48,17 @@ from providers.base import (
     Provider,
     ProviderError,
     QuotaError,
+    ServiceNetwork,
     TransientError,
 )
 from providers import sdk
+from providers.images import DEFAULT_IMAGES
 
 log = logging.getLogger(__name__)
 
 PREEMPTED_FILTER = 'operationType="compute.instances.preempted"'
 SPOT_NOTICE_S = 30  # GCP gives spot VMs 30 s between the preemption and the hard stop
-DEFAULT_IMAGE = ("projects/ubuntu-os-accelerator-images/global/images/family/"
-                 "ubuntu-accelerator-2204-amd64-with-nvidia-550")
+DEFAULT_IMAGE = DEFAULT_IMAGES["gcp"]
 BILLING_SERVICE = "services/6F81-5844-456A"  # Compute Engine in the Cloud Billing Catalog
 # Matched in the error text: HTTP errors and operation errors carry them differently.
 _CAPACITY = re.compile(r"ZONE_RESOURCE_POOL_EXHAUSTED|does not have enough resources available")
@@ -71,6 +73,10 @@ _GPU_SKU_NAMES = {"A100": "A100", "A100 80GB": "A100-80GB", "H100 80GB": "H100",
 # Not list prices: commitments, reservations, Dynamic Workload Scheduler (Flex, Calendar) and the like.
 _NOT_LIST_PRICE = re.compile(r"commit|reserv|sole tenancy|custom|premium|dws|flex|calendar|defined duration",
                              re.IGNORECASE)
+# A Compute Engine API other than Google's (a private endpoint, or an emulator): "http://host:port".
+ENDPOINT_ENV = "SPOT_ORCHESTRATOR_GCP_ENDPOINT"
+# The project, as the Google SDKs and gcloud name it (read when google.auth finds none).
+PROJECT_ENVS = ("GOOGLE_CLOUD_PROJECT", "CLOUDSDK_CORE_PROJECT")
 _HOW_TO_AUTH = ("configure GCP credentials with `gcloud auth application-default login` "
                 "or GOOGLE_APPLICATION_CREDENTIALS")
 
@@ -103,6 +109,11 @@ def _operation_error(op: compute_v1.Operation) -> str | None:
 def label(value: str) -> str:
     """A GCP label key or value: lowercase [a-z0-9_-], at most 63 characters."""
     return re.sub(r"[^a-z0-9_-]", "-", value.lower())[:63]
+
+
+def network_tag(service: str) -> str:
+    """The network tag (and firewall rule name) of a service's VMs: [a-z]([-a-z0-9]*[a-z0-9])?, <= 63."""
+    return label(f"spot-orchestrator-{service}").replace("_", "-")[:63].rstrip("-")
 
 
 def instance_name(request: LaunchRequest) -> str:
@@ -139,10 +150,15 @@ class GCPProvider(Provider):
                  image: str = DEFAULT_IMAGE, network: str = "global/networks/default", disk_size_gb: int = 200,
                  attempts: int = 5, sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.time):
+        endpoint = os.environ.get(ENDPOINT_ENV, "").strip()
+        if host is None and endpoint:
+            url_scheme, _, host = endpoint.rstrip("/").rpartition("://")
+            url_scheme = url_scheme or "https"
         self._credentials = credentials
-        self._project = project
+        self._project = project or next((os.environ[e] for e in PROJECT_ENVS if os.environ.get(e)), None)
         self._host = host
         self._url_scheme = url_scheme
+        self._firewalls = None
         self._instances = instances_client
         self._operations = operations_client
         self._billing = billing_client
@@ -184,6 +200,14 @@ class GCPProvider(Provider):
             self._operations = self._call(
                 lambda: compute_v1.ZoneOperationsClient(**self._transport_kwargs(ZoneOperationsRestTransport)))
         return self._operations
+
+    def _firewalls_client(self):
+        if self._firewalls is None:
+            from google.cloud.compute_v1.services.firewalls.transports.rest import FirewallsRestTransport
+
+            self._firewalls = self._call(
+                lambda: compute_v1.FirewallsClient(**self._transport_kwargs(FirewallsRestTransport)))
+        return self._firewalls
 
     @property
     def project(self) -> str:
@@ -260,6 +284,34 @@ class GCPProvider(Provider):
             log.warning("gcp billing catalog: %s; using the catalog's prices", err)
             return {}
 
+    # ---- the service's network -----------------------------------------------------------
+
+    def prepare_network(self, network: ServiceNetwork) -> None:
+        """One ingress rule on the VPC network per service (GCP firewall rules are global): the
+        replica ports, from the daemon's addresses and from the service's own VMs (its network
+        tag), to that tag only."""
+        tag = network_tag(network.service)
+        rule = compute_v1.Firewall(
+            name=tag, network=self._network, direction="INGRESS", priority=1000,
+            description=f"spot-orchestrator service {network.service}: replica ports",
+            allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=[str(p) for p in network.ports])],
+            source_ranges=list(network.allowed_cidrs), source_tags=[tag], target_tags=[tag])
+        client = self._firewalls_client()
+        try:
+            self._call(lambda: client.insert_unary(project=self.project, firewall_resource=rule))
+        except ProviderError as err:
+            if not isinstance(err.__cause__, gexc.Conflict):
+                raise
+            # Already there (an earlier `up`): make it say what this `up` asks.
+            self._call(lambda: client.update_unary(project=self.project, firewall=tag, firewall_resource=rule))
+
+    def remove_network(self, service: str, regions: Iterable[str] | None = None) -> None:
+        client = self._firewalls_client()
+        try:
+            self._call(lambda: client.delete_unary(project=self.project, firewall=network_tag(service)))
+        except NotFoundError:
+            pass
+
     # ---- instances ---------------------------------------------------------------------
 
     def launch(self, request: LaunchRequest) -> Instance:
@@ -318,16 +370,17 @@ class GCPProvider(Provider):
             name=name,
             machine_type=f"zones/{zone}/machineTypes/{machine}",
             labels=labels,
+            tags=compute_v1.Tags(items=[network_tag(request.service)]),
             scheduling=scheduling,
             guest_accelerators=accelerators,
             disks=[compute_v1.AttachedDisk(
                 boot=True, auto_delete=True,
-                initialize_params=compute_v1.AttachedDiskInitializeParams(source_image=self._image,
+                initialize_params=compute_v1.AttachedDiskInitializeParams(source_image=request.image_id or self._image,
                                                                           disk_size_gb=self._disk_size_gb))],
             network_interfaces=[compute_v1.NetworkInterface(network=self._network, access_configs=[
                 compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")])],
             metadata=compute_v1.Metadata(items=[compute_v1.Items(key="startup-script",
-                                                                 value=sdk.startup_script(request))]),
+                                                                 value=sdk.user_data(request))]),
         )
 
     def _get_or_raise(self, zone: str, name: str) -> Instance:
@@ -380,7 +433,8 @@ class GCPProvider(Provider):
         host = None
         if item.network_interfaces:
             nic = item.network_interfaces[0]
-            host = (nic.access_configs[0].nat_i_p if nic.access_configs else "") or nic.network_i_p or None
+            public = (nic.access_configs[0].nat_i_p if nic.access_configs else "") or None
+            host = sdk.reachable_address(public, nic.network_i_p or None)
         machine = item.machine_type.rpartition("/")[2]
         accelerators = list(item.guest_accelerators)
         if accelerators:  # name it the way offers do, so prices and instances join up
@@ -400,7 +454,7 @@ class GCPProvider(Provider):
         )
 
     def close(self) -> None:
-        for client in (self._instances, self._operations, self._billing):
+        for client in (self._instances, self._operations, self._billing, self._firewalls):
             transport = getattr(client, "transport", None)
             if transport is not None:
                 transport.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.emulated import walk
+from tests.e2e.emulated import emulated, walk
 from tests.fakes.emulated_aws import EmulatedAWS
 from tests.fakes.vm_runner import VMRunner
 from tests.helpers import REPO
@@ -16,14 +16,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
 @pytest.fixture
 def aws(tmp_path, state_home, monkeypatch, models_dir, replica_runtime, tiny_model):
-    emulator = EmulatedAWS(VMRunner(tmp_path / "vms", models_dir)).start()
-    for key, value in emulator.env().items():
-        monkeypatch.setenv(key, value)
-    import os
-
-    monkeypatch.setenv("SPOT_ORCHESTRATOR_PUBLIC_URL", f"http://127.0.0.1:{os.environ['SPOT_ORCHESTRATOR_DAEMON_PORT']}")
-    yield emulator
-    emulator.close()
+    with emulated(monkeypatch, EmulatedAWS(VMRunner(tmp_path / "vms", models_dir))) as emulator:
+        yield emulator
 
 
 def test_emulated_aws_replicas_boot_serve_survive_a_preemption_and_leave_nothing(aws, tmp_path):

@@ -90,6 +90,7 @@ class VMRunner:
         if machine is None:
             return
         _signal(machine.process.pid, signal.SIGTERM)
+        _signal(machine.process.pid, signal.SIGCONT)  # a held (SIGSTOPped) engine must see the SIGTERM
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and procs.group_members(machine.process.pid):
             time.sleep(0.1)

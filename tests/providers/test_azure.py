@@ -22,6 +22,7 @@ from providers.base import (
     QuotaError,
     TransientError,
 )
+from tests.fakes.launching import launch_request
 from tests.fakes.clouds import serve, serving
 
 SUB = "00000000-0000-0000-0000-000000000001"
@@ -115,9 +116,8 @@ def _provider(arm, **kw) -> AzureProvider:
 
 
 def _request(replica: str, market: Market = Market.SPOT, size: str = "Standard_NC4as_T4_v3") -> LaunchRequest:
-    return LaunchRequest(service="chat", replica_id=replica, location=Location("azure", "eastus", "eastus"),
-                         market=market, instance_type=size, accelerator="T4", accelerator_count=1,
-                         command=["vllm", "serve"], port=8000)
+    return launch_request(AzureProvider(SUB, RG, ["eastus"]), replica, Location("azure", "eastus", "eastus"), market,
+                          instance_type=size, accelerator="T4:1")
 
 
 def test_spot_vm_request_shape_and_tags(arm):

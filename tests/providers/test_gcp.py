@@ -28,6 +28,7 @@ from providers.base import (
 )
 from providers.gcp import PREEMPTED_FILTER, GCPProvider, instance_name, label
 from tests.fakes.clouds import FakeBillingCatalog, billing_sku, serving
+from tests.fakes.launching import launch_request
 
 PROJECT = "proj-1"
 BASE = f"/compute/v1/projects/{PROJECT}"
@@ -114,9 +115,9 @@ def _provider(fake, **kw) -> GCPProvider:
 
 
 def _request(replica: str, zone: str, market: Market = Market.SPOT, itype: str = "a2-highgpu-1g") -> LaunchRequest:
-    return LaunchRequest(service="Chat.Bot", replica_id=replica, location=Location("gcp", zone.rsplit("-", 1)[0], zone),
-                         market=market, instance_type=itype, accelerator="A100", accelerator_count=1,
-                         command=["vllm", "serve"], port=8000)
+    accelerator = "T4:2" if "+T4x2" in itype else "A100:1"
+    return launch_request(GCPProvider(PROJECT), replica, Location("gcp", zone.rsplit("-", 1)[0], zone), market,
+                          service="chat-bot", instance_type=itype, accelerator=accelerator)
 
 
 def test_spot_launch_sends_spot_scheduling_and_sanitized_labels(fake):
