@@ -97,3 +97,53 @@ def running_daemon(monkeypatch, *, probe_interval_s: float | None = 0.5, keep_se
             server.stop()
             if "local" in daemon.providers:
                 LocalProvider().close()
+
+
+@contextlib.contextmanager
+def emulator_running(monkeypatch, emulator):
+    """An emulated cloud (tests/fakes/emulated_*) started, its settings in this process's
+    environment (spotctl and the daemon it starts inherit them); closed after."""
+    emulator.start()
+    try:
+        for key, value in emulator.env().items():
+            monkeypatch.setenv(key, value)
+        yield emulator
+    finally:
+        emulator.close()
+
+
+def vm_cloud_daemon(monkeypatch, factory, **kwargs):
+    """running_daemon on a VM cloud whose VMs boot nothing here: no engine answers, so probing is
+    left at its own pace; the URL its VMs would reach it at is only named in their boot scripts."""
+    return running_daemon(monkeypatch, probe_interval_s=None, provider_factory=factory,
+                          public_url="http://127.0.0.1:9", **kwargs)
+
+
+def live_instances(provider, service: str) -> list:
+    """The provider's instances of `service` that are not terminated."""
+    from providers.base import TAG_SERVICE, InstanceStatus
+
+    return [i for i in provider.list({TAG_SERVICE: service}) if i.status is not InstanceStatus.TERMINATED]
+
+
+def environment_provider(cls, cloud: str):
+    """A provider factory for running_daemon: `cls` built with no arguments, configured from the
+    environment only, as the daemon builds it (no sleeping between retries)."""
+
+    def make(name: str):
+        assert name == cloud, name
+        return cls(sleep=lambda s: None)
+
+    return make
+
+
+
+def restart_adopts_then_down(monkeypatch, factory, service: str, managed, instance_ids: set[str]) -> None:
+    """A new daemon on the same state finds the service's instances (`managed()` still gives the
+    same ids after three reconciles: nothing new launched), then `down` takes the service away."""
+    with vm_cloud_daemon(monkeypatch, factory) as (daemon, client):
+        wait_for(lambda: client.get(f"/v1/services/{service}").status_code == 200, 10, "the service restored")
+        wait_for(lambda: daemon.controllers[service].reconciles >= 3, 60, "three full reconciles")
+        assert {i.instance_id for i in managed()} == instance_ids
+        client.delete(f"/v1/services/{service}").raise_for_status()
+        wait_for(lambda: client.get(f"/v1/services/{service}").status_code == 404, 60, "down")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.helpers import free_port, spotctl, wait_for
+from tests.helpers import emulator_running, free_port, spotctl, wait_for
 
 PROMPTS = ["The spot market", "A replica on a cloud", "Erasure codes keep", "The load balancer"]
 MAX_TOKENS = 96
@@ -46,17 +46,11 @@ def emulated_spec(template: Path, out: Path, **service_changes) -> tuple[str, Pa
 
 @contextlib.contextmanager
 def emulated(monkeypatch, emulator):
-    """The emulator started, its settings (and the daemon's public URL, which its VMs reach) in
-    this process's environment, which spotctl and the daemon it starts inherit; closed after."""
-    emulator.start()
-    try:
-        for key, value in emulator.env().items():
-            monkeypatch.setenv(key, value)
+    """emulator_running, plus the daemon's public URL (which the emulator's VMs reach)."""
+    with emulator_running(monkeypatch, emulator):
         monkeypatch.setenv("SPOT_ORCHESTRATOR_PUBLIC_URL",
                            f"http://127.0.0.1:{os.environ['SPOT_ORCHESTRATOR_DAEMON_PORT']}")
         yield emulator
-    finally:
-        emulator.close()
 
 
 class Together:

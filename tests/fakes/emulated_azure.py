@@ -16,7 +16,6 @@ deletes the VM at its NotBefore (eviction policy Delete). Sizes in `fail_sizes` 
 from __future__ import annotations
 
 import base64
-import contextlib
 import itertools
 import re
 import threading
@@ -24,7 +23,8 @@ import threading
 from providers.azure import network_name
 from providers.base import TAG_SERVICE, Market
 from providers.catalog.loader import catalog_offers
-from tests.fakes.clouds import Request, serve
+from tests.fakes.booting import BootingCloud
+from tests.fakes.clouds import Request
 from tests.fakes.metadata import AzureInstanceMetadata
 from tests.fakes.vm_runner import VMRunner
 
@@ -38,31 +38,17 @@ def _error(status: int, code: str, message: str):
     return status, {"error": {"code": code, "message": message}}
 
 
-class EmulatedAzure:
+class EmulatedAzure(BootingCloud):
     def __init__(self, runner: VMRunner | None = None):
-        """With no runner, VMs are records only (nothing boots): for the daemon's fast tests."""
-        self.runner = runner
-        self.url = ""
+        super().__init__(runner)
         self.groups: dict[str, dict] = {}
         # (kind, name) -> resource; kinds: virtualMachines, networkInterfaces, publicIPAddresses,
         # disks, virtualNetworks, networkSecurityGroups, applicationSecurityGroups.
         self.resources: dict[tuple[str, str], dict] = {}
         self.owners: dict[tuple[str, str], str] = {}  # a VM's NIC, address and disk -> its service
-        self.metadata: dict[str, AzureInstanceMetadata] = {}
         self.fail_sizes: set[str] = set()
         self.created: list[dict] = []  # every VM body PUT, in order
-        self.preempted: list[str] = []
         self._addresses = itertools.count(10)
-        self._lock = threading.RLock()
-        self._servers = contextlib.ExitStack()
-        self._vm_servers: dict[str, contextlib.ExitStack] = {}
-        self._stopping: list[threading.Thread] = []  # machines shutting down, joined at close
-
-    # ---- life ----------------------------------------------------------------------------
-
-    def start(self) -> EmulatedAzure:
-        self.url = self._servers.enter_context(serve(self.route)).url
-        return self
 
     def env(self) -> dict[str, str]:
         """What a daemon (or spotctl) process needs to use this Azure."""
@@ -82,15 +68,6 @@ class EmulatedAzure:
                  for o in catalog_offers("azure") if o.location.region == region and o.instance_type in sizes]
         return 200, {"Items": list({(i["armSkuName"], i["skuName"]): i for i in items}.values()),
                      "NextPageLink": None, "Count": len(items)}
-
-    def close(self) -> None:
-        for thread in self._stopping:  # a machine left half stopped would outlive the test
-            thread.join(timeout=30)
-        if self.runner is not None:
-            self.runner.close()
-        for stack in self._vm_servers.values():
-            stack.close()
-        self._servers.close()
 
     # ---- ARM -------------------------------------------------------------------------------
 
@@ -175,12 +152,8 @@ class EmulatedAzure:
                              "networkProfile": {**props["networkProfile"], "networkInterfaces": [{"id": nic_id}]}}}
         self.resources[("virtualMachines", name)] = vm
         script = base64.b64decode(props.get("osProfile", {}).get("customData") or b"").decode()
-        if self.runner is not None and not failed and script.startswith("#!"):
-            metadata = AzureInstanceMetadata(name, private_ip)
-            stack = contextlib.ExitStack()
-            server = stack.enter_context(serve(metadata.route))
-            self._vm_servers[name], self.metadata[name] = stack, metadata
-            self.runner.start(name, script, private_ip, server.url)
+        if not failed:
+            self.boot(name, AzureInstanceMetadata(name, private_ip), script, private_ip)
         return 200, vm
 
     def _delete(self, kind: str, name: str):
@@ -196,17 +169,7 @@ class EmulatedAzure:
                          ("disks", f"{name}_OsDisk")):
                 self.resources.pop(part, None)
                 self.owners.pop(part, None)
-            stack = self._vm_servers.pop(name, None)
-
-            def stop() -> None:  # the HTTP answer does not wait for the machine's shutdown
-                if self.runner is not None:
-                    self.runner.stop(name)
-                if stack is not None:
-                    stack.close()
-
-            thread = threading.Thread(target=stop, daemon=True)
-        self._stopping.append(thread)
-        thread.start()
+            self.halt(name)
         return 200, ""
 
     # ---- what a test does to it --------------------------------------------------------------

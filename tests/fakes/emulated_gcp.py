@@ -13,7 +13,6 @@ deadline (the spot VMs' termination action here is DELETE).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import re
 import threading
@@ -21,7 +20,8 @@ import time
 
 from providers.base import TAG_SERVICE
 from providers.gcp import label, network_tag
-from tests.fakes.clouds import Request, serve
+from tests.fakes.booting import BootingCloud
+from tests.fakes.clouds import Request
 from tests.fakes.metadata import GCPInstanceMetadata
 from tests.fakes.vm_runner import VMRunner
 
@@ -37,43 +37,20 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S.000-00:00", time.gmtime())
 
 
-class EmulatedGCP:
+class EmulatedGCP(BootingCloud):
     def __init__(self, runner: VMRunner | None = None):
-        """With no runner, instances are records only (nothing boots): for the daemon's fast tests."""
-        self.runner = runner
-        self.url = ""
+        super().__init__(runner)
         self.instances: dict[str, dict] = {}  # "ZONE/NAME" -> the instance resource
         self.disks: dict[str, str] = {}  # disk name -> "ZONE/NAME" of the instance it boots
         self.firewalls: dict[str, dict] = {}
         self.operations: dict[str, list[dict]] = {}  # zone -> its operations
-        self.metadata: dict[str, GCPInstanceMetadata] = {}
-        self.preempted: list[str] = []
         self._ids = itertools.count(5000)
         self._zones: dict[str, int] = {}
-        self._lock = threading.RLock()
-        self._servers = contextlib.ExitStack()
-        self._vm_servers: dict[str, contextlib.ExitStack] = {}
-        self._stopping: list[threading.Thread] = []  # machines shutting down, joined at close
-
-    # ---- life ----------------------------------------------------------------------------
-
-    def start(self) -> EmulatedGCP:
-        self.url = self._servers.enter_context(serve(self.route)).url
-        return self
 
     def env(self) -> dict[str, str]:
         """What a daemon (or spotctl) process needs to use this GCP."""
         return {"SPOT_ORCHESTRATOR_GCP_ENDPOINT": self.url, "GOOGLE_CLOUD_PROJECT": PROJECT,
                 "SPOT_ORCHESTRATOR_REPLICA_ADDRESS": "private"}
-
-    def close(self) -> None:
-        for thread in self._stopping:  # a machine left half stopped would outlive the test
-            thread.join(timeout=30)
-        if self.runner is not None:
-            self.runner.close()
-        for stack in self._vm_servers.values():
-            stack.close()
-        self._servers.close()
 
     # ---- the API -----------------------------------------------------------------------------
 
@@ -157,32 +134,14 @@ class EmulatedGCP:
         self.disks[disk] = key
         items = body.get("metadata", {}).get("items", [])
         script = next((i["value"] for i in items if i["key"] == "startup-script"), "")
-        if self.runner is not None and script.startswith("#!"):
-            self._boot(key, zone, body["name"], private_ip, script)
+        self.boot(key, GCPInstanceMetadata(zone, body["name"], private_ip), script, private_ip)
         return 200, self._operation(zone, "insert", f"instances/{body['name']}")
-
-    def _boot(self, key: str, zone: str, name: str, private_ip: str, script: str) -> None:
-        metadata = GCPInstanceMetadata(zone, name, private_ip)
-        stack = contextlib.ExitStack()
-        server = stack.enter_context(serve(metadata.route))
-        self._vm_servers[key], self.metadata[key] = stack, metadata
-        self.runner.start(key, script, private_ip, server.url)
 
     def _delete(self, key: str) -> None:
         self.instances.pop(key, None)
         for disk in [d for d, owner in self.disks.items() if owner == key]:
             del self.disks[disk]
-        stack = self._vm_servers.pop(key, None)
-
-        def stop() -> None:  # the HTTP answer does not wait for the machine's shutdown
-            if self.runner is not None:
-                self.runner.stop(key)
-            if stack is not None:
-                stack.close()
-
-        thread = threading.Thread(target=stop, daemon=True)
-        self._stopping.append(thread)
-        thread.start()
+        self.halt(key)
 
     # ---- what a test does to it --------------------------------------------------------------
 
