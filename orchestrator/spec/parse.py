@@ -632,7 +632,7 @@ def _parse_kv(f: _Fields, resources: Resources) -> KVSpec:
         store_max_bytes=_parse_size(f, "store_max_bytes", 1 << 30),
         ttl_seconds=f.number("ttl_seconds", 3600.0, positive=True),
     )
-    if kv.enabled and kv.m > 0:
+    if kv.enabled and kv.m > 0 and f.has("failure_domain"):  # asked for: the default only warns at runtime
         _check_survivable(f, kv, resources)
     return kv
 
