@@ -10,9 +10,9 @@ than m shards of a group (feasible when domains x m >= k + m; otherwise strict p
 PlacementError, and best effort fills the least loaded domains beyond m, which `feasible` tells
 the caller, who logs it); distinct stores before any takes a second shard; the fewest shards per
 cloud, then region, then zone; ties by rendezvous hashing of (key, node_id). A store that joins
-or leaves moves only the groups it holds a shard of: (k+m)/N
-of them on a balanced topology, below 2(k+m)/N unless one domain is much thinner than the others
-(docs/kv-cache.md has the argument).
+or leaves moves only the groups it holds a shard of: (k+m)/N of them on a balanced topology,
+below 2(k+m)/N unless one domain is much thinner than the others (docs/kv-cache.md has the
+argument).
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
-from orchestrator.replica.kv.codec import Buffer, Codec, Shard, TooManyErasures, WrongPayloadLength
 from orchestrator.common.kvtls import store_server_name
+from orchestrator.replica.kv.codec import Buffer, Codec, Shard, TooManyErasures, WrongPayloadLength
 from orchestrator.replica.kv.egress import EgressMeter
 from orchestrator.replica.kv.placement import Placement, StoreNode
 from orchestrator.replica.kv.store import StoreClient, gather_until
@@ -104,8 +104,8 @@ class ErasureCodedPool:
             old = view.clients
             for node in nodes:
                 reuse = old.get(node.node_id)
-                clients[node.node_id] = reuse if reuse is not None and view.nodes[node.node_id] == node \
-                    else self._client(node)
+                same = reuse is not None and view.nodes[node.node_id] == node  # same endpoint and cloud
+                clients[node.node_id] = reuse if same else self._client(node)
             older = tuple(p for p in view.placements if p.members != placement.members)[:PLACEMENT_HISTORY]
             self._view = _View((placement, *older), foreign, clients, {n.node_id: n for n in nodes})
         for node_id, client in old.items():  # calls still using them fail over as erasures
