@@ -1,5 +1,5 @@
 # The two commands of the README:  `make demo`  and  `make test`.
-.PHONY: install demo test test-slow test-all lint bench
+.PHONY: install demo test test-slow test-all lint bench bench-ci
 
 install:
 	@bash scripts/install.sh
@@ -21,3 +21,7 @@ lint: install
 
 bench: install
 	@for b in tests/benchmarks/bench_*.py; do .venv/bin/python $$b || exit 1; done
+
+# Every benchmark once, in a short mode; fails on a crash or a failure count (not on ratios).
+bench-ci: install
+	.venv/bin/python scripts/bench_ci.py

@@ -124,30 +124,38 @@ def generate(base: str, model: str, prompt: list[int], max_tokens: int = MAX_TOK
     return r.json()["choices"][0]["token_ids"]
 
 
-def preempt_mid_stream(lb: LoadBalancer, urls: dict, controls: dict, model: str, prompt: list[int]) -> dict:
-    """Stream on A; at GENERATED_AT_NOTICE tokens the migrator's path; times as the client saw them."""
+def preempt_mid_stream(lb: LoadBalancer, urls: dict, controls: dict, model: str, prompt: list[int],
+                       run: str) -> dict:
+    """Stream on A; at GENERATED_AT_NOTICE tokens the migrator's path; times as the client saw them.
+
+    Each run names its upstreams afresh (`a-<run>`, `b-<run>`): the LB keeps a migrated replica
+    drained for good, as the daemon wants for a preempted one, so a reused id has no route."""
     http = httpx.Client()
-    lb.set_replicas([Upstream("a", urls["a"]), Upstream("b", urls["b"], ready=False)])
+    a, b = f"a-{run}", f"b-{run}"
+    lb.set_replicas([Upstream(a, urls["a"]), Upstream(b, urls["b"], ready=False)])
     client = Client(lb.url, model, prompt)
     deadline = time.monotonic() + 900
     while len(client.ids) < GENERATED_AT_NOTICE and client.is_alive() and time.monotonic() < deadline:
         time.sleep(0.005)
     seen = {r["request_id"] for r in (connector_stats(http, controls["b"], AUTH) or {}).get("recent_requests", ())}
     noticed_at = time.monotonic()
-    lb.set_replicas([Upstream("a", urls["a"], draining=True), Upstream("b", urls["b"])])
+    lb.set_replicas([Upstream(a, urls["a"], draining=True), Upstream(b, urls["b"])])
     flushed, at_cut = [], []
 
     def before_resume() -> None:  # after the cut: what the client has now is all A sends it
         flushed.append(flush_kv(http, controls["a"], AUTH, 10.0))
-        at_cut.append(len(client.ids))
+        at_cut.append(time.monotonic())
 
-    result = lb.migrate("a", before_resume=before_resume)
+    result = lb.migrate(a, before_resume=before_resume)
     result = result.result(timeout=900)
     client.join(timeout=900)
     records = [r for r in (connector_stats(http, controls["b"], AUTH) or {}).get("recent_requests", ())
                if r["request_id"] not in seen]
-    # The LB holds the continuation until the hook returns: the client's next token is B's.
-    seam = at_cut[0] if at_cut and 0 < at_cut[0] < len(client.at) else None
+    # The LB holds the continuation until the hook returns, so every token that reached the
+    # client after the hook is B's. Counted by time, not by the client's count at the hook: A's
+    # last tokens may still sit in socket buffers when the cut is made.
+    seam = next((i for i, at in enumerate(client.at) if at_cut and at > at_cut[0]), None)
+    seam = seam if seam else None
     http.close()
     return {
         "client": client, "requests": result.requests, "resumed": result.resumed, "flushed": all(flushed),
@@ -209,9 +217,9 @@ def main() -> None:
             generate(urls["b"], model, [rng.randrange(10, 500) for _ in range(PROMPT_TOKENS)], 8)
             http.close()
             lb.start()
-            migrated = preempt_mid_stream(lb, urls, controls, model, prompts[0])
+            migrated = preempt_mid_stream(lb, urls, controls, model, prompts[0], "migrate")
             stores.stop()  # no shard reachable: B recomputes the whole prefix
-            recomputed = preempt_mid_stream(lb, urls, controls, model, prompts[1])
+            recomputed = preempt_mid_stream(lb, urls, controls, model, prompts[1], "recompute")
             references = [generate(urls["a"], model, p) for p in prompts]
         finally:
             lb.stop()
