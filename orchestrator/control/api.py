@@ -32,7 +32,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from orchestrator.common import identity
-from orchestrator.control import auth
+from orchestrator.control import auth, kvtls
 from orchestrator.control.gate import Gate
 from orchestrator.common.errors import UserError
 from orchestrator.fleet.lifecycle import ReplicaState
@@ -201,8 +201,8 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
 
     @app.post("/v1/bootstrap/redeem")
     def bootstrap_redeem(body: BootstrapRedeem, request: Request) -> dict:
-        """A booting VM's secrets, once: the service's KV secret, and the spec's environment with
-        the replica's own token in it."""
+        """A booting VM's secrets, once: the service's KV secret, its shard store's TLS files
+        (kvtls), and the spec's environment with the replica's own token in it."""
         if body.version != wheel_version():
             raise HTTPException(409, f"replica runtime {body.version} is not the daemon's {wheel_version()}")
         try:
@@ -217,7 +217,8 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
         env = {str(k): str(v) for k, v in envs.items() if v is not None}
         env[identity.REPLICA_TOKEN_ENV] = auth.replica_token_for(replica)
         return {"service": redeemed.service, "replica_id": redeemed.replica_id,
-                "kv_secret": kv_secret_file(redeemed.service).read_text().strip(), "env": env}
+                "kv_secret": kv_secret_file(redeemed.service).read_text().strip(),
+                "kv_tls": kvtls.issue(redeemed.service, redeemed.replica_id)._asdict(), "env": env}
 
     @app.get("/v1/services")
     def services() -> list[dict]:

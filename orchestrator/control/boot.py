@@ -22,6 +22,7 @@ TEMPLATE = paths.REPO_ROOT / "templates" / "replica-boot.sh"
 PYTHON_VERSION = "3.11"
 # Where a VM's replica keeps the service's KV secret ({home}: its --home, the boot script's WORK).
 VM_SECRET_FILE = "{home}/kv.secret"
+VM_TLS_DIR = "{home}/kv-tls"  # and its shard store's TLS files (orchestrator.replica.main writes them)
 
 
 class BootScripts:

@@ -16,13 +16,15 @@ import os
 import subprocess
 from pathlib import Path
 
-from orchestrator.common import identity, paths
+from orchestrator.common import identity, kvtls, paths
 from orchestrator.common.errors import UserError
 from orchestrator.control import auth
+from orchestrator.control.kvtls import replica_files
 from orchestrator.spec import ServiceSpec
 from orchestrator.control.store import ReplicaRow
-from orchestrator.control.boot import VM_SECRET_FILE, BootScripts
+from orchestrator.control.boot import VM_SECRET_FILE, VM_TLS_DIR, BootScripts
 from providers.base import LaunchRequest, Location, MachineRuntime, Offer
+from providers.egress import egress_table
 
 CONNECTOR_CLASS = "SpotKVConnector"
 CONNECTOR_MODULE = "orchestrator.replica.kv.connector"
@@ -105,9 +107,15 @@ class ReplicaLauncher:
     def kv_config(self, spec: ServiceSpec, row: ReplicaRow, location: Location, runtime: MachineRuntime) -> dict | None:
         if not spec.kv.enabled:
             return None
+        tls_dir = self.tls_dir(spec, row, runtime)
         extra = {
             "k": spec.kv.k,
             "m": spec.kv.m,
+            "failure_domain": spec.kv.failure_domain,
+            # Shard traffic to another cloud goes over TLS, verified against the service's CA,
+            # and is priced from the one egress table.
+            "tls_ca_file": f"{tls_dir}/{kvtls.CA_FILE}",
+            "egress": egress_table(),
             # A VM's replica writes the secret it fetched at boot to this path (replica.main).
             "secret_file": str(kv_secret_file(spec.name)) if runtime.on_this_host else VM_SECRET_FILE,
             "node_id": row.replica_id,
@@ -129,12 +137,19 @@ class ReplicaLauncher:
             "kv_connector_extra_config": extra,
         }
 
+    @staticmethod
+    def tls_dir(spec: ServiceSpec, row: ReplicaRow, runtime: MachineRuntime) -> str:
+        """Where the replica finds its shard store's TLS files: issued now into the state
+        folder for a process of this host; a VM gets them at its bootstrap redemption."""
+        return str(replica_files(spec.name, row.replica_id)) if runtime.on_this_host else VM_TLS_DIR
+
     def replica_args(self, spec: ServiceSpec, runtime: MachineRuntime, kv: dict | None) -> list[str]:
         """orchestrator.replica.main's own options (before `--` and the engine's)."""
         args: list[str] = []
         if kv is not None:
             secret = kv_secret_file(spec.name) if runtime.on_this_host else VM_SECRET_FILE
-            args += ["--agent-port", "{agent_port}", "--secret-file", str(secret)]
+            tls_dir = kv["kv_connector_extra_config"]["tls_ca_file"].rsplit("/", 1)[0]
+            args += ["--agent-port", "{agent_port}", "--secret-file", str(secret), "--tls-dir", tls_dir]
             args += ["--store-max-bytes", str(spec.kv.store_max_bytes)]
         if runtime.notice_watcher and self.daemon_url:
             # The agent watches the cloud's metadata for notices and reports them.

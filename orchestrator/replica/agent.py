@@ -1,14 +1,16 @@
 """The agent beside vLLM on each replica: serves this replica's KV shard store.
 
     python -m orchestrator.replica.agent --store-port P --secret-file F [--max-bytes N] [--ttl S] [--host H]
-                                 [--watch aws|gcp|azure --api DAEMON_URL [--metadata-url URL]]
+                                 [--tls-dir DIR] [--watch CLOUD --api DAEMON_URL [--metadata-url URL]]
 
 orchestrator.replica.main starts it. With --watch it also runs the cloud's notice watcher
 (orchestrator.replica.watchers), which reports notices to the daemon with this replica's own
 token (orchestrator.common.identity; never the daemon's admin token). It logs "agent: shard
 store listening on http://H:P" once the port is bound (with --store-port 0, the port the OS picked) and stops
-cleanly on SIGTERM/SIGINT. More duties: `serve(options, duties=[...])` starts each once the store
-listens and stops it at shutdown (watchers.WatchLoop has that shape).
+cleanly on SIGTERM/SIGINT. With --tls-dir (the service CA's certificate for this store and its key,
+orchestrator.common.kvtls's file names) the store's port also speaks TLS, for peers in other clouds.
+More duties: `serve(options, duties=[...])` starts each once the store listens
+and stops it at shutdown (watchers.WatchLoop has that shape).
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import argparse
 import asyncio
 import logging
 import signal
+import ssl
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from orchestrator.replica.kv.httpserver import start_server
+from orchestrator.common import kvtls
+from orchestrator.replica.kv.httpserver import server_tls_context, start_server
 from orchestrator.replica.kv.store import MAX_BODY, StoreHandler
 
 log = logging.getLogger("orchestrator.replica.agent")
@@ -45,6 +49,7 @@ class AgentOptions:
     watch: str | None = None  # aws | gcp | azure: the notice watcher to run
     api_url: str | None = None
     metadata_url: str | None = None
+    tls_dir: Path | None = None  # kvtls.CERT_FILE and KEY_FILE: the store also speaks TLS
 
 
 def parse_args(argv: Sequence[str] | None = None) -> AgentOptions:
@@ -59,6 +64,7 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentOptions:
     parser.add_argument("--watch", metavar="CLOUD", help="watch this cloud's metadata for notices")
     parser.add_argument("--api", dest="api_url", help="the daemon's base URL (notices go to its /v1/notices)")
     parser.add_argument("--metadata-url", help="override the metadata server's base URL (tests)")
+    parser.add_argument("--tls-dir", type=Path, help="folder with this store's certificate and key (TLS too)")
     args = parser.parse_args(argv)
     if args.watch and not args.api_url:
         parser.error("--watch needs --api DAEMON_URL")
@@ -74,8 +80,17 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentOptions:
         parser.error(f"--store-port must be 0..65535, got {args.store_port}")
     if args.max_bytes <= 0 or args.ttl <= 0:
         parser.error("--max-bytes and --ttl must be positive")
+    if args.tls_dir is not None:
+        try:
+            _tls_context(args.tls_dir)
+        except (OSError, ssl.SSLError) as err:
+            parser.error(f"--tls-dir {args.tls_dir}: no usable certificate and key: {err}")
     return AgentOptions(args.store_port, secret, args.host, args.max_bytes, args.ttl, args.watch, args.api_url,
-                        args.metadata_url)
+                        args.metadata_url, args.tls_dir)
+
+
+def _tls_context(folder: Path) -> ssl.SSLContext:
+    return server_tls_context(str(folder / kvtls.CERT_FILE), str(folder / kvtls.KEY_FILE))
 
 
 def notice_duties(options: AgentOptions) -> list[Duty]:
@@ -102,9 +117,12 @@ async def serve(options: AgentOptions, duties: Sequence[Duty] = (), stop: asynci
         handler = StoreHandler(options.secret, max_bytes=options.max_bytes, ttl_s=options.ttl_s)
         # A body can never be larger than what the store may hold (plus framing).
         max_body = min(MAX_BODY, options.max_bytes + (1 << 20))
-        server = await start_server(handler, options.host, options.store_port, max_body, admit=handler.admit)
+        tls = _tls_context(options.tls_dir) if options.tls_dir is not None else None
+        server = await start_server(handler, options.host, options.store_port, max_body, admit=handler.admit,
+                                    tls=tls)
         port = server.sockets[0].getsockname()[1]
-        log.info("agent: shard store listening on http://%s:%d", options.host, port)
+        log.info("agent: shard store listening on http://%s:%d%s", options.host, port,
+                 " (and TLS on the same port)" if tls else "")
     started: list[Duty] = []
     try:
         for duty in duties:

@@ -1,13 +1,14 @@
 """Replica entry point (replica side: stdlib and httpx): start the agent, then become vLLM.
 
-    python -m orchestrator.replica.main [--agent-port P --secret-file F] [--watch CLOUD --api URL]
+    python -m orchestrator.replica.main [--agent-port P --secret-file F [--tls-dir D]] [--watch CLOUD --api URL]
         [--cloud CLOUD --daemon URL --bootstrap-token T --home DIR] -- <vLLM server arguments>
 
 On a VM (the boot script passes --bootstrap-token) it first learns its instance id and private
 address from the cloud's metadata service (the provider's in-VM watcher), redeems the token with
-the daemon for the service's KV secret and environment, and fills the {host}, {home} and
-{secret_file} placeholders. The agent runs as a child in the same process group, so the
-machine's end takes both down; then this process execs vLLM's OpenAI server.
+the daemon for the service's KV secret, its shard store's TLS files (written under {home}/kv-tls)
+and environment, and fills the {host}, {home} and {secret_file} placeholders. The agent runs as
+a child in the same process group, so the machine's end takes both down; then this process execs
+vLLM's OpenAI server.
 """
 
 from __future__ import annotations
@@ -39,6 +40,19 @@ def materialize_secret(path: str, secret: str | None = None) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secret)
+
+
+def materialize_tls(folder: str, granted: dict | None) -> None:
+    """Write the store's TLS files from the redemption (CA, certificate; the key 0600)."""
+    from orchestrator.common import kvtls
+
+    if not granted:
+        return
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    for name, field in ((kvtls.CA_FILE, "ca"), (kvtls.CERT_FILE, "cert"), (kvtls.KEY_FILE, "key")):
+        fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(granted[field])
 
 
 def machine_identity(cloud: str, metadata_url: str | None) -> tuple[str, str]:
@@ -115,6 +129,7 @@ def boot(opts: argparse.Namespace, replica_args: list[str], engine_args: list[st
     granted = redeem(opts.daemon, opts.bootstrap_token, instance_id)
     secret_file = os.path.join(home, "kv.secret")
     materialize_secret(secret_file, granted["kv_secret"])
+    materialize_tls(os.path.join(home, "kv-tls"), granted.get("kv_tls"))
     os.environ.update({str(k): str(v) for k, v in (granted.get("env") or {}).items()})
     values = {"host": address, "home": home, "secret_file": secret_file}
     if metadata_url:
@@ -128,6 +143,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--agent-port", type=int)
     parser.add_argument("--secret-file")
     parser.add_argument("--store-max-bytes", type=int)
+    parser.add_argument("--tls-dir", help="the shard store's certificate, key and the service CA")
     parser.add_argument("--watch", metavar="CLOUD", help="run this cloud's notice watcher")
     parser.add_argument("--api", help="the daemon's URL, for notices")
     parser.add_argument("--metadata-url", help="the metadata service's URL, if not the cloud's own")
@@ -154,6 +170,8 @@ def agent_command(opts: argparse.Namespace) -> list[str] | None:
         agent += ["--secret-file", opts.secret_file]
     if opts.store_max_bytes:
         agent += ["--max-bytes", str(opts.store_max_bytes)]
+    if opts.tls_dir and opts.agent_port:
+        agent += ["--tls-dir", opts.tls_dir]
     if opts.host:
         agent += ["--host", opts.host]
     if opts.watch and opts.api:

@@ -116,11 +116,16 @@ class EngineSpec:
         return self.block_size if self.block_size is not None else (CPU_BLOCK_SIZE if on_cpu else None)
 
 
+KV_FAILURE_DOMAINS = ("zone", "region", "cloud")  # narrowest first: the replica's placement has the same
+
+
 @dataclasses.dataclass(frozen=True)
 class KVSpec:
     enabled: bool = True
     k: int = 4
     m: int = 2
+    # Losing one whole such domain loses at most m shards of a block; shards leave a cloud only for "cloud".
+    failure_domain: str = "zone"
     store_max_bytes: int = 1 << 30
     ttl_seconds: float = 3600.0
 

@@ -37,6 +37,7 @@ from orchestrator.spec.model import (
     TLS,
     Accelerator,
     EngineSpec,
+    KV_FAILURE_DOMAINS,
     KVSpec,
     ReadinessProbe,
     ReplicaPolicy,
@@ -340,14 +341,13 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt])?(i)?b?\s*$", re.IGNORECAS
 def parse_spec(data: Any, name: str | None = None) -> ServiceSpec:
     """Validate a loaded mapping. `name` (e.g. the file's stem) is used when it has none."""
     top = _Fields(data, "", TOP_KEYS)
+    resources = _parse_resources(top.mapping("resources", (*RESOURCE_KEYS, "any_of", "ordered", *RESOURCE_EXTRA_KEYS)))
     return ServiceSpec(
         name=_parse_name(top, name),
         engine=_parse_engine(top),
         service=_parse_service(top.mapping("service", SERVICE_KEYS)),
-        resources=_parse_resources(
-            top.mapping("resources", (*RESOURCE_KEYS, "any_of", "ordered", *RESOURCE_EXTRA_KEYS))
-        ),
-        kv=_parse_kv(top.mapping("kv", KV_KEYS)),
+        resources=resources,
+        kv=_parse_kv(top.mapping("kv", KV_KEYS), resources),
         task={k: plain(top.data[k]) for k in TASK_KEYS if k in top.data},
     )
 
@@ -623,11 +623,32 @@ def _parse_size(f: _Fields, key: str, default: int) -> int:
     return value
 
 
-def _parse_kv(f: _Fields) -> KVSpec:
-    return KVSpec(
+def _parse_kv(f: _Fields, resources: Resources) -> KVSpec:
+    kv = KVSpec(
         enabled=f.boolean("enabled", True),
         k=f.integer("k", 4, minimum=1, maximum=32),
         m=f.integer("m", 2, minimum=0, maximum=32),
+        failure_domain=f.string("failure_domain", "zone", choices=KV_FAILURE_DOMAINS),
         store_max_bytes=_parse_size(f, "store_max_bytes", 1 << 30),
         ttl_seconds=f.number("ttl_seconds", 3600.0, positive=True),
     )
+    if kv.enabled and kv.m > 0 and f.has("failure_domain"):  # asked for: the default only warns at runtime
+        _check_survivable(f, kv, resources)
+    return kv
+
+
+def _check_survivable(f: _Fields, kv: KVSpec, resources: Resources) -> None:
+    """SpecError when `resources` pin the replicas to fewer failure domains than k+m shards
+    with at most m per domain need (the replicas may go anywhere else: checked at runtime)."""
+    depth = KV_FAILURE_DOMAINS[::-1].index(kv.failure_domain) + 1  # cloud: 1, region: 2, zone: 3
+    units = set()
+    for alt in resources.any_of or (resources,):
+        unit = tuple(getattr(alt, name) or getattr(resources, name) for name in ("cloud", "region", "zone")[:depth])
+        if None in unit:
+            return  # this alternative may land in any such domain
+        units.add(unit)
+    need = -(-(kv.k + kv.m) // kv.m)
+    if len(units) < need:
+        listed = ", ".join("/".join(u) for u in sorted(units))
+        raise f.error("failure_domain", f"{kv.failure_domain!r} needs replicas in at least {need} "
+                      f"{kv.failure_domain}s for k={kv.k}, m={kv.m}, but resources allow only {listed}")

@@ -15,7 +15,9 @@ keys, the steady state of a store that has been serving a while (at its bound, r
 evicting shards, so freed memory is reused); `ratio_vs_socket` is the median of their
 per-round ratios (`ratio_range`: lowest and highest), since the machine is shared and noisy.
 
-Env: BENCH_STORE_MIB (default 1024), BENCH_STORE_CLIENTS (default 4).
+Env: BENCH_STORE_MIB (default 1024), BENCH_STORE_CLIENTS (default 4). BENCH_STORE_TLS=1 runs the
+store side over TLS, as a peer in another cloud would (stores with a certificate from a fresh
+service CA, clients verifying it); the socket baseline stays plain, so the ratio includes TLS.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.replica.kv.store import StoreClient
+from orchestrator.replica.kv.transport import PeerTLS, client_tls_context
 
 SHARD = 256 << 10
 BATCH = 32  # shards per request: 8 MiB bodies
@@ -73,12 +76,14 @@ def start_socket_servers() -> tuple[list[subprocess.Popen], list[int]]:
     return procs, [int(p.stdout.readline()) for p in procs]
 
 
-def start_stores(secret_file: Path, max_bytes: int) -> tuple[list[subprocess.Popen], list[str]]:
+def start_stores(secret_file: Path, max_bytes: int, tls_dirs: list[Path] | None = None
+                 ) -> tuple[list[subprocess.Popen], list[str]]:
     procs, endpoints = [], []
-    for _ in range(STORES):
+    for index in range(STORES):
+        tls = ["--tls-dir", str(tls_dirs[index])] if tls_dirs else []
         proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.replica.agent", "--store-port", "0", "--secret-file",
-             str(secret_file), "--max-bytes", str(max_bytes)],
+             str(secret_file), "--max-bytes", str(max_bytes), *tls],
             stderr=subprocess.PIPE, text=True,
         )
         procs.append(proc)
@@ -89,6 +94,19 @@ def start_stores(secret_file: Path, max_bytes: int) -> tuple[list[subprocess.Pop
             raise RuntimeError(f"agent did not start: {line!r}")
         endpoints.append(match.group(1))
     return procs, endpoints
+
+
+def tls_peers(tmp: Path) -> list[tuple[Path, PeerTLS]]:
+    """Per store: its TLS folder (issued by a fresh service CA) and how a client verifies it."""
+    os.environ["SPOT_ORCHESTRATOR_HOME"] = str(tmp / "state")  # where the CA is made; the agents never read it
+    from orchestrator.common.kvtls import CA_FILE, store_server_name
+    from orchestrator.control.kvtls import issue, write_credentials
+
+    out = []
+    for index in range(STORES):
+        folder = write_credentials(tmp / f"tls-{index}", issue("bench", f"store-{index}"))
+        out.append((folder, PeerTLS(client_tls_context(str(folder / CA_FILE)), store_server_name(f"store-{index}"))))
+    return out
 
 
 def socket_run(ports: list[int], batches: int, clients: int, message: bytes) -> float:
@@ -139,6 +157,7 @@ def main() -> None:
     volume = int(os.environ.get("BENCH_STORE_MIB", "1024")) << 20
     clients = int(os.environ.get("BENCH_STORE_CLIENTS", "4"))
     rounds = int(os.environ.get("BENCH_STORE_ROUNDS", "3"))
+    tls = os.environ.get("BENCH_STORE_TLS") == "1"
     batches = max(clients, volume // (SHARD * BATCH))
     rng = np.random.default_rng(0)
     shards = [rng.integers(0, 256, SHARD, dtype=np.uint8).tobytes() for _ in range(BATCH + 7)]
@@ -152,9 +171,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             secret_file = Path(tmp) / "secret"
             secret_file.write_text(SECRET)
-            store_procs, endpoints = start_stores(secret_file, max_bytes=volume // STORES + (64 << 20))
+            peers = tls_peers(Path(tmp)) if tls else None
+            store_procs, endpoints = start_stores(secret_file, max_bytes=volume // STORES + (64 << 20),
+                                                  tls_dirs=[folder for folder, _ in peers] if peers else None)
             procs += store_procs
-        stores = [StoreClient(e, SECRET, timeout_s=30.0) for e in endpoints]
+        stores = [StoreClient(e, SECRET, timeout_s=30.0, tls=peers[i][1] if peers else None)
+                  for i, e in enumerate(endpoints)]
         socket_run(ports, batches, clients, message)  # warm-up (connections, TCP buffers)
         cold_s = store_pass(stores, batches, clients, shards)
         for _ in range(rounds):  # interleaved, so a noisy neighbour hits both sides alike
@@ -182,6 +204,7 @@ def main() -> None:
         "ratio_range": [round(ratios[0], 2), round(ratios[-1], 2)],
         "rounds": rounds,
         "cold_ratio_vs_socket": round(socket_s / cold_s, 2),
+        "tls": tls,
     }))
 
 

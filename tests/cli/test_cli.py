@@ -16,6 +16,12 @@ BAD_SPECS = {
     ),
     "no_model": ("name: x\nservice:\n  replicas: 1\n", "engine"),
     "bad_yaml": ("name: x\nservice: [\n", "line"),
+    "failure_domain": ("name: x\nengine: {model: tiny}\nkv: {failure_domain: rack}\n",
+                       "kv.failure_domain: expected one of zone, region, cloud, got 'rack'"),
+    "failure_domain_unreachable": (
+        "name: x\nengine: {model: tiny}\nkv: {failure_domain: cloud}\nresources: {cloud: local}\n",
+        "kv.failure_domain: 'cloud' needs replicas in at least 3 clouds for k=4, m=2, but resources allow only local",
+    ),
 }
 
 

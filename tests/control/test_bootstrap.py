@@ -1,12 +1,19 @@
 """A VM's secrets by one-time token (never in its user-data): redeemed once, only for the
-instance the launch recorded; the daemon's own wheel for a booting VM; the boot script."""
+instance the launch recorded, with its shard store's TLS files; the daemon's own wheel for a
+booting VM; the boot script; a local replica's TLS files."""
 
 from __future__ import annotations
 
+import json
 import zipfile
+from pathlib import Path
 
 import httpx
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from orchestrator.common.kvtls import CA_FILE, CERT_FILE, KEY_FILE, store_server_name
 
 from orchestrator.control.bootstrap import BootstrapError, BootstrapTokens
 from orchestrator.control.store import Store
@@ -15,6 +22,8 @@ from tests.fakes.launching import launch_request
 from tests.helpers import running_daemon
 from providers.aws import AWSProvider
 from providers.base import Location, Market
+from providers.egress import egress_table
+from providers.local import LocalProvider
 
 SPEC = "name: boot\nengine: {model: m}\nenvs: {HF_TOKEN: hf-secret, MODE: fast}\n"
 
@@ -69,10 +78,38 @@ def test_the_api_gives_the_secret_and_envs_once_and_the_wheel_before(state_home,
         token = body["env"].pop("SPOT_ORCHESTRATOR_REPLICA_TOKEN")  # its own identity, for notices
         assert token.startswith(f"spr1.boot.{row.replica_id}.")
         assert body["env"] == {"HF_TOKEN": "hf-secret", "MODE": "fast"} and len(body["kv_secret"]) >= 32
+        _assert_store_credentials(body["kv_tls"], "boot", row.replica_id)
         again = anonymous.post("/v1/bootstrap/redeem", json={"instance_id": "i-42", "version": version()},
                                headers=boot)
         assert again.status_code == 401
         assert anonymous.get("/v1/bootstrap/wheel", headers=boot).status_code == 401  # redeemed: no more
+
+
+def _assert_store_credentials(creds: dict, service: str, replica_id: str) -> None:
+    """A key and certificate for the replica's store name, signed by the service's CA."""
+    ca = x509.load_pem_x509_certificate(creds["ca"].encode())
+    cert = x509.load_pem_x509_certificate(creds["cert"].encode())
+    key = serialization.load_pem_private_key(creds["key"].encode(), password=None)
+    cert.verify_directly_issued_by(ca)
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName) == [store_server_name(replica_id)]
+    assert key.public_key().public_numbers() == cert.public_key().public_numbers()
+    assert service in ca.subject.rfc4514_string()
+
+
+def test_a_local_replica_gets_its_store_files_and_the_kv_placement_settings(state_home):
+    request = launch_request(LocalProvider(), "r7", Location("local", "local-1", "local-1a"), Market.SPOT,
+                             kv=True)
+    engine = request.command[request.command.index("--"):]
+    extra = json.loads(engine[engine.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra["failure_domain"] == "zone" and extra["egress"] == egress_table()
+    folder = Path(extra["tls_ca_file"]).parent
+    assert request.command[request.command.index("--tls-dir") + 1] == str(folder)
+    assert (folder / KEY_FILE).stat().st_mode & 0o077 == 0
+    creds = {"ca": (folder / CA_FILE).read_text(), "cert": (folder / CERT_FILE).read_text(),
+             "key": (folder / KEY_FILE).read_text()}
+    _assert_store_credentials(creds, "chat", "r7")
 
 
 def test_the_boot_script_names_the_token_and_never_a_secret():
@@ -82,5 +119,7 @@ def test_the_boot_script_names_the_token_and_never_a_secret():
     assert "BOOT_TOKEN=test-bootstrap-token" in script and "--bootstrap-token \"$BOOT_TOKEN\"" in script
     assert "uv pip install" in script
     assert "[replica,gpu]" in script and "SPOT_ORCHESTRATOR_KV_SECRET" not in script
+    assert "PRIVATE KEY" not in script and "CERTIFICATE" not in script  # TLS files come at redemption
+    assert "--tls-dir '{home}/kv-tls'" in script and '"tls_ca_file": "{home}/kv-tls/kv-ca.crt"' in script
     assert "--host '{host}'" in script and "--port 8000" in script and "secret_file" in script
     assert request.ports == (8000, 8471, 8472) and request.boot_script.startswith("#!/bin/bash")

@@ -1,4 +1,9 @@
-"""Real shard stores for tests: `python -m orchestrator.replica.agent` subprocesses on 127.0.0.1."""
+"""Real shard stores for tests: `python -m orchestrator.replica.agent` subprocesses on 127.0.0.1.
+
+`store_tls_dir` issues a store the TLS files the daemon would (the service's CA, its certificate,
+its key), for `StoreProcess(..., extra=["--tls-dir", folder])`; it needs SPOT_ORCHESTRATOR_HOME set,
+where the service's CA is kept.
+"""
 
 from __future__ import annotations
 
@@ -67,6 +72,13 @@ class StoreProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(30)
+
+
+def store_tls_dir(root: Path, service: str, node_id: str) -> Path:
+    """`root/<service>/<node_id>` holding the store's TLS files, issued by the service's CA."""
+    from orchestrator.control.kvtls import issue, write_credentials
+
+    return write_credentials(root / service / node_id, issue(service, node_id))
 
 
 def secret_file(tmp_path: Path, secret: str = SECRET) -> Path:

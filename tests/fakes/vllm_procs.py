@@ -87,10 +87,10 @@ def wait_until(check, what: str, proc: subprocess.Popen, log: callable, timeout_
     raise AssertionError(f"{what}: not ready after {timeout_s:.0f}s:\n{log()[-4000:]}")
 
 
-def start_store(procs: Processes, name: str, secret_file: Path) -> str:
+def start_store(procs: Processes, name: str, secret_file: Path, extra: list[str] = ()) -> str:
     port = free_port()
     proc = procs.start(name, ["-m", "orchestrator.replica.agent", "--store-port", str(port),
-                              "--secret-file", str(secret_file)])
+                              "--secret-file", str(secret_file), *extra])
     endpoint = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {secret_file.read_text().strip()}"}
     wait_until(lambda: httpx.get(f"{endpoint}/healthz", headers=headers, timeout=2).status_code == 200,

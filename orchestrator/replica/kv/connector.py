@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -25,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from orchestrator.common.errors import UserError
 from orchestrator.replica.kv.control import ControlServer
+from orchestrator.replica.kv.egress import EgressMeter
 from orchestrator.replica.kv.keys import layout_tag
 from orchestrator.replica.kv.membership import Membership
 from orchestrator.replica.kv.plan import SchedulerPlanner, StepPlan
@@ -74,14 +76,20 @@ def _attention_group(kv_cache_config: KVCacheConfig):
     return groups[0]
 
 
-def _open_pool(settings: ConnectorSettings, membership: Membership):
+def _open_pool(settings: ConnectorSettings, membership: Membership, meter: EgressMeter):
     from orchestrator.replica.kv.pool import ErasureCodedPool
+    from orchestrator.replica.kv.transport import client_tls_context
 
     if not membership.nodes:
         raise UserError(f"kv_connector_extra_config: no shard stores known ({settings.membership_url} "
                         "listed none and no 'stores' or own store were given)")
+    try:
+        tls = client_tls_context(settings.tls_ca_file) if settings.tls_ca_file else None
+    except (OSError, ssl.SSLError) as err:
+        raise UserError(f"kv_connector_extra_config.tls_ca_file: not a CA certificate: {err}") from None
     return ErasureCodedPool(membership.nodes, settings.secret, k=settings.k, m=settings.m,
-                            timeout_s=settings.timeout_s)
+                            timeout_s=settings.timeout_s, domain=settings.failure_domain, home=settings.self_store,
+                            tls_context=tls, meter=meter)
 
 
 def _tp_rank_and_size(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[int, int]:
@@ -114,7 +122,8 @@ class SpotKVConnector(KVConnectorBase_V1):
                          num_layers=len(group.layer_names), num_kv_heads=getattr(spec, "num_kv_heads", 0),
                          head_size=getattr(spec, "head_size", 0), tp_size=tp_size, tp_rank=tp_rank)
         self._membership = Membership(settings)
-        self._pool = _open_pool(settings, self._membership)
+        meter = EgressMeter(settings.egress, settings.self_store)
+        self._pool = _open_pool(settings, self._membership, meter)
         self._planner: SchedulerPlanner | None = None
         self._transfers: WorkerTransfers | None = None
         self._saver: BlockSaver | None = None
@@ -143,14 +152,15 @@ class SpotKVConnector(KVConnectorBase_V1):
                 try:
                     self._control = ControlServer(
                         settings.control_host, port, settings.secret, flush=saver.flush, pending=saver.pending_blocks,
-                        stats=lambda: stats.snapshot(pending_blocks=saver.pending_blocks()))
+                        stats=lambda: {**stats.snapshot(pending_blocks=saver.pending_blocks()),
+                                       "egress": meter.snapshot()})
                 except OSError as err:
                     raise UserError(f"kv_connector_extra_config.control_port: cannot listen on "
                                     f"{settings.control_host}:{port}: {err.strerror}") from None
                 log.info("kv connector control listening on %s", self._control.address)
         self._membership.watch(self._stores_changed)
-        log.info("kv connector %s: role %s, %d stores, k=%d m=%d, layout %s", CONNECTOR_NAME, role.name,
-                 len(self._membership.nodes), settings.k, settings.m, tag)
+        log.info("kv connector %s: role %s, %d stores, k=%d m=%d, failure domain %s, layout %s", CONNECTOR_NAME,
+                 role.name, len(self._membership.nodes), settings.k, settings.m, settings.failure_domain, tag)
 
     def _stores_changed(self, nodes) -> None:
         self._pool.update_nodes(nodes)

@@ -7,12 +7,17 @@ final buffer (about 3 GB/s; docs/kv-cache.md). It does what the store needs: Con
 bodies, keep-alive, a synchronous handler per request. Chunked bodies get 411, heads over 16 KiB
 431; a refused request (`admit`, or a body over `max_body`: 413) is answered at once and its
 body read past unbuffered, so the client sees the status rather than a reset connection.
+With an SSL context the same port also speaks TLS: each accepted connection's first byte (peeked,
+not read) tells a TLS ClientHello from plain HTTP, so peers in this cloud keep plain HTTP and
+peers in another cloud are encrypted, on one endpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -24,6 +29,7 @@ log = logging.getLogger(__name__)
 
 MAX_HEAD = 16 << 10
 IDLE_TIMEOUT_S = 120.0
+TLS_RECORD_HANDSHAKE = 0x16  # the first byte of a TLS ClientHello; never the start of an HTTP method
 
 
 @dataclass
@@ -206,9 +212,75 @@ class _Connection(asyncio.BufferedProtocol):
             self._idle = asyncio.get_running_loop().call_later(IDLE_TIMEOUT_S, transport.close)
 
 
+class _SniffingServer:
+    """Accepts connections itself and hands each to asyncio plain or under TLS, by its first
+    byte. Has what callers use of an asyncio.Server: `sockets` and `close()`."""
+
+    def __init__(self, listener: socket.socket, factory: Callable[[], _Connection], context: ssl.SSLContext):
+        self.sockets = [listener]
+        self._factory, self._context = factory, context
+        self._tasks: set[asyncio.Task] = set()
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self.sockets[0])
+            task = loop.create_task(self._hand_over(conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _hand_over(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        conn.setblocking(False)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            readable = loop.create_future()
+            loop.add_reader(conn.fileno(), lambda: readable.done() or readable.set_result(None))
+            try:
+                await asyncio.wait_for(readable, IDLE_TIMEOUT_S)
+            finally:
+                loop.remove_reader(conn.fileno())
+            first = conn.recv(1, socket.MSG_PEEK)
+            if not first:
+                conn.close()
+                return
+            tls = self._context if first[0] == TLS_RECORD_HANDSHAKE else None
+            await loop.connect_accepted_socket(self._factory, conn, ssl=tls,
+                                               ssl_handshake_timeout=10.0 if tls else None)
+        except (OSError, ssl.SSLError, TimeoutError) as err:  # a failed handshake (a wrong CA) or an idle peer
+            log.info("shard store: connection dropped before its first request: %s", err)
+            conn.close()
+
+    def close(self) -> None:
+        self._accepting.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        self.sockets[0].close()
+
+
 async def start_server(handler: Handler, host: str, port: int, max_body: int,
-                       admit: Admit | None = None) -> asyncio.Server:
-    """Listen on host:port (0 = any free port); the caller closes the returned server.
-    Raises OSError when the address cannot be bound."""
+                       admit: Admit | None = None, tls: ssl.SSLContext | None = None):
+    """Listen on host:port (0 = any free port); the caller closes the returned server (an
+    asyncio.Server, or with `tls` one that also speaks TLS on the same port). Raises OSError
+    when the address cannot be bound."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: _Connection(handler, admit, max_body), host, port)
+
+    def factory() -> _Connection:
+        return _Connection(handler, admit, max_body)
+
+    if tls is None:
+        return await loop.create_server(factory, host, port)
+    listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                    backlog=128)
+    listener.setblocking(False)
+    return _SniffingServer(listener, factory, tls)
+
+
+def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """The store's TLS context: its certificate (issued by the service's CA) and key.
+    Raises OSError / ssl.SSLError for a missing or mismatched pair."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert_file, key_file)
+    return context

@@ -8,6 +8,12 @@
     pool.repair_many(keys) -> Repaired    # put back what the current holders lack
     pool.close()                          # (also a context manager)
 
+With a `home` (this replica's own store) writes stay within the cheapest scope that gives the
+failure domain's survivability (placement.scope_of); reads ask the home scope's holders first and
+the holders other homes would have chosen only for what is still missing. Stores in another cloud
+than home are spoken to over TLS (`tls_context`: the service CA) and left out without one; a
+`meter` counts the bytes that cross clouds or regions.
+
 Thread-safe: the connector's scheduler lookups, saver, loads and repairer call it from their own
 threads. docs/kv-cache.md has how it batches, waits and reads across membership changes.
 """
@@ -15,15 +21,19 @@ threads. docs/kv-cache.md has how it batches, waits and reads across membership 
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+from orchestrator.common.kvtls import store_server_name
 from orchestrator.replica.kv.codec import Buffer, Codec, Shard, TooManyErasures, WrongPayloadLength
+from orchestrator.replica.kv.egress import EgressMeter
 from orchestrator.replica.kv.placement import Placement, StoreNode
 from orchestrator.replica.kv.store import StoreClient, gather_until
+from orchestrator.replica.kv.transport import PeerTLS
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +49,15 @@ class Repaired(NamedTuple):
     bytes_moved: int  # shard bytes read from and written to the stores
 
 
+class _View(NamedTuple):
+    """One membership as the pool sees it, swapped whole so each call sees one."""
+
+    placements: tuple[Placement, ...]  # newest first; the older ones are where earlier writes still are
+    foreign: tuple[Placement, ...]  # the other homes' placements: where other replicas write
+    clients: dict[str, StoreClient]  # by node_id
+    nodes: dict[str, StoreNode]
+
+
 class InsufficientShardsStored(Exception):
     """Fewer than k shards of a group could be stored: the key would not be recoverable."""
 
@@ -50,19 +69,21 @@ def shard_key(key: str, index: int) -> str:
 
 class ErasureCodedPool:
     """Erasure-coded put/get of opaque payloads over the shard stores of `nodes` (ValueError
-    without any; PlacementError only with strict_placement on a topology that cannot keep
-    <= m shards per zone)."""
+    without any; PlacementError for an unknown `domain`, or with strict_placement on a
+    topology that cannot keep <= m shards per failure domain)."""
 
     def __init__(self, nodes: list[StoreNode], secret: str, k: int = 4, m: int = 2, timeout_s: float = 2.0,
-                 *, strict_placement: bool = False):
+                 *, strict_placement: bool = False, domain: str = "zone", home: StoreNode | None = None,
+                 tls_context: ssl.SSLContext | None = None, meter: EgressMeter | None = None):
         self.k, self.m, self.timeout_s = k, m, timeout_s
+        self.domain, self.home = domain, home
         self._codec = Codec(k, m)
         self._secret = secret
         self._strict = strict_placement
+        self._tls_context = tls_context
+        self._meter = meter
         self._lock = threading.Lock()
-        # (placements, newest first; clients by node_id), swapped whole so each call sees one
-        # membership. Older placements are where shards written before a change still are.
-        self._view: tuple[tuple[Placement, ...], dict[str, StoreClient]] = ((), {})
+        self._view = _View((), (), {}, {})
         self._executor = ThreadPoolExecutor(max_workers=max(16, 4 * len(nodes)), thread_name_prefix="kv-pool")
         self.update_nodes(nodes)
 
@@ -75,25 +96,65 @@ class ErasureCodedPool:
         Raises ValueError for an empty list (PlacementError as the constructor)."""
         if not nodes:
             raise ValueError("the KV pool needs at least one shard store")
-        placement = Placement(nodes, self.k, self.m, strict=self._strict)
+        nodes = self._reachable(nodes)
+        placement = Placement(nodes, self.k, self.m, strict=self._strict, domain=self.domain, home=self.home)
+        foreign = self._other_homes(nodes, placement)
         with self._lock:
-            (history, old), clients = self._view, {}
-            for node in placement.members:
+            view, clients = self._view, {}
+            old = view.clients
+            for node in nodes:
                 reuse = old.get(node.node_id)
-                clients[node.node_id] = (reuse if reuse is not None and reuse.endpoint == node.endpoint.rstrip("/")
-                                         else StoreClient(node.endpoint, self._secret, timeout_s=self.timeout_s))
-            older = tuple(p for p in history if p.members != placement.members)[:PLACEMENT_HISTORY]
-            self._view = ((placement, *older), clients)
+                same = reuse is not None and view.nodes[node.node_id] == node  # same endpoint and cloud
+                clients[node.node_id] = reuse if same else self._client(node)
+            older = tuple(p for p in view.placements if p.members != placement.members)[:PLACEMENT_HISTORY]
+            self._view = _View((placement, *older), foreign, clients, {n.node_id: n for n in nodes})
         for node_id, client in old.items():  # calls still using them fail over as erasures
             if clients.get(node_id) is not client:
                 client.close()
         if not placement.feasible:
-            log.warning("kv pool: %d store(s) in too few zones to keep <= %d of %d shards per zone; "
-                        "placing best effort", len(nodes), self.m, self.k + self.m)
+            log.warning("kv pool: %d store(s) within reach in too few %ss to keep <= %d of %d shards per %s "
+                        "(kv.failure_domain: %s); placing best effort, a %s loss may lose cached blocks",
+                        len(placement.members), self.domain, self.m, self.k + self.m, self.domain, self.domain,
+                        self.domain)
+
+    def _crosses_clouds(self, node: StoreNode) -> bool:
+        return self.home is not None and node.cloud != self.home.cloud
+
+    def _reachable(self, nodes: list[StoreNode]) -> list[StoreNode]:
+        """The stores this pool may talk to: another cloud's only over TLS."""
+        if self._tls_context is not None:
+            return list(nodes)
+        kept = [n for n in nodes if not self._crosses_clouds(n)]
+        if len(kept) < len(nodes):
+            log.warning("kv pool: %d store(s) in other clouds left out: no service CA to encrypt to them",
+                        len(nodes) - len(kept))
+        if not kept:
+            raise ValueError("the KV pool has no shard store it may reach")
+        return kept
+
+    def _client(self, node: StoreNode) -> StoreClient:
+        tls = (PeerTLS(self._tls_context, store_server_name(node.node_id))
+               if self._crosses_clouds(node) and self._tls_context is not None else None)
+        meter = self._meter
+        on_bytes = None if meter is None else (lambda sent, received: meter.count(node, sent, received))
+        return StoreClient(node.endpoint, self._secret, timeout_s=self.timeout_s, tls=tls, on_bytes=on_bytes)
+
+    def _other_homes(self, nodes: list[StoreNode], own: Placement) -> tuple[Placement, ...]:
+        """The placements of writers elsewhere (one per distinct scope), for reads."""
+        out: dict[tuple, Placement] = {}
+        for home in {(n.cloud, n.region): n for n in nodes}.values():
+            placement = Placement(nodes, self.k, self.m, strict=False, domain=self.domain, home=home)
+            if placement.members != own.members:
+                out.setdefault(placement.members, placement)
+        return tuple(out.values())
 
     def holders(self, key: str) -> list[StoreNode]:
         """The stores of shards 0..k+m-1 of `key` under the current membership."""
-        return self._view[0][0].holders(key)
+        return self._view.placements[0].holders(key)
+
+    def peers(self) -> list[StoreNode]:
+        """Every store of the current membership this pool may talk to."""
+        return list(self._view.nodes.values())
 
     # -- writes --------------------------------------------------------------------------
 
@@ -107,8 +168,7 @@ class ErasureCodedPool:
         # One encoding per key: two (with two stripe ids) racing to the same shard keys
         # could leave fewer than k shards of either.
         items = list({key: (key, payload) for key, payload in items}.values())
-        placements, clients = self._view
-        placement = placements[0]
+        placement, clients = self._view.placements[0], self._view.clients
         per_node: dict[str, list[tuple[int, str, memoryview]]] = defaultdict(list)
         for item, (key, payload) in enumerate(items):
             frames = self._codec.encode(payload)
@@ -149,9 +209,21 @@ class ErasureCodedPool:
         return out
 
     def _gather(self, keys: Sequence[str]) -> list[list[Shard]]:
-        """The valid shards of each key, asked of every holder at once; a key's collection
-        stops once k shards of one encoding are in."""
+        """The valid shards of each key, asked of every holder under this home's placements
+        at once, then of the other homes' holders for the keys still short (cheapest first);
+        a key's collection stops once k shards of one encoding are in."""
+        history, foreign = self._view.placements, self._view.foreign
         parsed: list[list[Shard]] = [[] for _ in keys]
+        self._gather_into(keys, parsed, history)
+        short = [i for i, shards in enumerate(parsed) if not _has_stripe_of(shards, self.k)]
+        if foreign and short:
+            more = [[] for _ in short]
+            self._gather_into([keys[i] for i in short], more, foreign)
+            for i, shards in zip(short, more, strict=True):
+                parsed[i].extend(shards)
+        return parsed
+
+    def _gather_into(self, keys: Sequence[str], parsed: list[list[Shard]], placements) -> None:
         complete = [False] * len(keys)
         remaining = [len(keys)]
 
@@ -165,8 +237,7 @@ class ErasureCodedPool:
                         remaining[0] -= 1
             return remaining[0] == 0
 
-        gather_until(self._executor, self._key_calls(keys, "get_many"), collect, self._deadline())
-        return parsed
+        gather_until(self._executor, self._key_calls(keys, "get_many", placements), collect, self._deadline())
 
     def has(self, key: str) -> bool:
         """Whether >= k shards of the key are present (cheap: no shard data moves)."""
@@ -188,7 +259,8 @@ class ErasureCodedPool:
                     remaining[0] -= len(present[item]) == enough
             return remaining[0] == 0
 
-        gather_until(self._executor, self._key_calls(keys, "has_many"), count, self._deadline())
+        placements = self._view.placements + self._view.foreign  # no shard data moves: ask every scope at once
+        gather_until(self._executor, self._key_calls(keys, "has_many", placements), count, self._deadline())
         return present
 
     def _held_encodings(self, keys: Sequence[str]) -> list[dict[int, tuple[int, int]]]:
@@ -203,7 +275,8 @@ class ErasureCodedPool:
                     held[item][index] = (claimed.stripe, claimed.payload_len)
             return False
 
-        gather_until(self._executor, self._key_calls(keys, "head_many", current_only=True), note, self._deadline())
+        calls = self._key_calls(keys, "head_many", self._view.placements[:1])
+        gather_until(self._executor, calls, note, self._deadline())
         return held
 
     # -- repair --------------------------------------------------------------------------
@@ -222,7 +295,7 @@ class ErasureCodedPool:
         (A shard whose data is corrupt under an intact header is not: reads treat it as an
         erasure, repair does not read data to find it.)"""
         keys = list(dict.fromkeys(keys))
-        placement, clients = self._view[0][0], self._view[1]
+        placement, clients = self._view.placements[0], self._view.clients
         held = self._held_encodings(keys)
         out: list[int | None] = [0] * len(keys)
         broken = [item for item, found in enumerate(held)
@@ -253,13 +326,11 @@ class ErasureCodedPool:
         moved += sum(len(frame) for shards in per_node.values() for _, _, frame in shards)
         return Repaired(out, moved)
 
-    def _key_calls(self, keys: Sequence[str], operation: str, current_only: bool = False) -> list[Callable]:
+    def _key_calls(self, keys: Sequence[str], operation: str, placements: Sequence[Placement]) -> list[Callable]:
         """One call of StoreClient.<operation> per holder (and per GET_REQUEST_KEYS shards)
-        covering all shards of `keys` at their holders under the current and the previous
-        placements (only the current one with `current_only`); each returns ((item, shard
-        index) pairs, results)."""
-        placements, clients = self._view
-        placements = placements[:1] if current_only else placements
+        covering all shards of `keys` at their holders under `placements`; each returns
+        ((item, shard index) pairs, results)."""
+        clients = self._view.clients
         per_node: dict[str, list[tuple[tuple[int, int], str]]] = defaultdict(list)
         for item, key in enumerate(keys):
             asked: set[tuple[str, int]] = set()
@@ -280,7 +351,7 @@ class ErasureCodedPool:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         with self._lock:
-            clients, self._view = self._view[1], (self._view[0], {})  # later calls: no stores
+            clients, self._view = self._view.clients, _View(self._view.placements, (), {}, {})  # later calls: no stores
         for client in clients.values():
             client.close()
 

@@ -4,7 +4,8 @@
      "node_id", "self_endpoint", "cloud", "region", "zone" (this replica's own store),
      "membership_poll_s": 5.0, "secret" | "secret_file", "k": 4, "m": 2, "timeout_s": 2.0,
      "control_port", "control_host": "127.0.0.1", "model_id", "max_pending_mb": 256,
-     "push_batch_blocks": 64, "repair_mb_per_s": 200}
+     "push_batch_blocks": 64, "repair_mb_per_s": 200, "failure_domain": "zone", "tls_ca_file": PATH,
+     "egress": {cloud: {"out_of_cloud": usd_per_gb, "inter_region": usd_per_gb}}}
 
 The connector parses it when vLLM constructs it; every field is explained in docs/kv-cache.md.
 `transfer_config` wraps an extra config into the value of vLLM's --kv-transfer-config (scripts and
@@ -19,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.common.errors import UserError
-from orchestrator.replica.kv.placement import StoreNode, parse_nodes
+from orchestrator.replica.kv.egress import EgressPrices
+from orchestrator.replica.kv.placement import FAILURE_DOMAINS, StoreNode, parse_nodes
 
 CONNECTOR_NAME = "SpotKVConnector"
 CONNECTOR_MODULE = "orchestrator.replica.kv.connector"
@@ -27,7 +29,7 @@ CONNECTOR_MODULE = "orchestrator.replica.kv.connector"
 _SELF_FIELDS = ("node_id", "self_endpoint", "cloud", "region", "zone")
 _FIELDS = {"stores", "membership_url", "membership_poll_s", *_SELF_FIELDS, "secret", "secret_file", "k", "m",
            "timeout_s", "control_port", "control_host", "model_id", "max_pending_mb", "push_batch_blocks",
-           "repair_mb_per_s"}
+           "repair_mb_per_s", "failure_domain", "tls_ca_file", "egress"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class ConnectorSettings:
     max_pending_bytes: int = 256 << 20
     push_batch_blocks: int = 64
     repair_bytes_per_s: float | None = 200e6  # None: no limit
+    failure_domain: str = "zone"  # zone | region | cloud: what losing leaves k shards of a group
+    tls_ca_file: str | None = None  # the service CA: stores in other clouds are spoken to over TLS
+    egress: EgressPrices = EgressPrices()
 
 
 def transfer_config(extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -132,6 +137,13 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     host = extra.get("control_host", "127.0.0.1")
     if not isinstance(host, str) or not host:
         raise UserError("kv_connector_extra_config.control_host: expected a host name or address")
+    domain = extra.get("failure_domain", "zone")
+    if domain not in FAILURE_DOMAINS:
+        raise UserError(f"kv_connector_extra_config.failure_domain: expected one of {', '.join(FAILURE_DOMAINS)}, "
+                        f"got {domain!r}")
+    ca_file = extra.get("tls_ca_file")
+    if ca_file is not None and (not isinstance(ca_file, str) or not Path(ca_file).is_file()):
+        raise UserError(f"kv_connector_extra_config.tls_ca_file: not a readable file: {ca_file!r}")
     settings = ConnectorSettings(
         stores=tuple(parse_nodes(stores)),
         secret=_secret(extra),
@@ -147,6 +159,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         max_pending_bytes=int(_number(extra, "max_pending_mb", 256, float, 1) * (1 << 20)),
         push_batch_blocks=_number(extra, "push_batch_blocks", 64, int, 1),
         repair_bytes_per_s=_repair_limit(extra),
+        failure_domain=domain,
+        tls_ca_file=ca_file,
+        egress=EgressPrices.parse(extra.get("egress")),
     )
     if settings.control_port is not None and settings.control_port > 65535:
         raise UserError(f"kv_connector_extra_config.control_port: not a port: {settings.control_port}")

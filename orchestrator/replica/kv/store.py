@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from orchestrator.replica.kv import wire
 from orchestrator.replica.kv.httpserver import Request, Response
-from orchestrator.replica.kv.transport import BulkTransport
+from orchestrator.replica.kv.transport import BulkTransport, PeerTLS
 from orchestrator.common.retry import retry
 
 SHARDS = "/v1/shards/"
@@ -248,19 +248,27 @@ class StoreClient:
     """Calls to one shard store over a pooled keep-alive connection pool. Thread-safe.
 
     Every call raises StoreUnavailable when the store cannot be reached (a timeout or a broken
-    connection is retried once, a refused connection is not), rejects the secret (401),
-    answers 400, 405 or 5xx, or sends a malformed batch body."""
+    connection is retried once, a refused connection or a failed TLS handshake is not), rejects
+    the secret (401), answers 400, 405 or 5xx, or sends a malformed batch body. With `tls` the
+    store's http:// endpoint is spoken to over TLS on the same port (the store tells the two
+    apart), verified as PeerTLS says. `on_bytes(sent, received)` is told the body bytes of every
+    exchange (the pool's egress meter)."""
 
     def __init__(self, endpoint: str, secret: str, timeout_s: float = 2.0, attempts: int = 2,
-                 max_connections: int = 8):
+                 max_connections: int = 8, tls: PeerTLS | None = None,
+                 on_bytes: Callable[[int, int], None] | None = None):
         self.endpoint = endpoint.rstrip("/")
+        if tls is not None and self.endpoint.startswith("http://"):
+            self.endpoint = "https://" + self.endpoint[len("http://"):]
         self._attempts = attempts
+        self._on_bytes = on_bytes
+        bulk = self.endpoint.startswith("http://") or tls is not None
         self._http = httpx.Client(
             base_url=self.endpoint,
             headers={"authorization": f"Bearer {secret}"},
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 1.0)),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            transport=BulkTransport(max_connections) if self.endpoint.startswith("http://") else None,
+            transport=BulkTransport(max_connections, tls=tls) if bulk else None,
         )
 
     def close(self) -> None:
@@ -278,6 +286,9 @@ class StoreClient:
             response = retry(attempt, retry_on=_RETRYABLE, attempts=self._attempts, base=0.05, cap=0.5)
         except httpx.HTTPError as err:
             raise StoreUnavailable(f"{self.endpoint}: {type(err).__name__}: {err}") from err
+        if self._on_bytes is not None:
+            sent = sum(len(p) for p in content) if isinstance(content, list) else len(content or b"")
+            self._on_bytes(sent, len(response.content))
         if response.status_code == 401:
             raise StoreUnavailable(f"{self.endpoint}: 401 unauthorized (wrong kv secret?)")
         if response.status_code >= 500 or response.status_code in (400, 405):

@@ -5,24 +5,44 @@ with h11 in pure Python, 64 KiB at a time, copying each chunk three times; on a 
 that made the shard client, not the network, the bottleneck (about 0.7 GB/s per connection).
 http.client reads a Content-Length body with one C-level read and sends a body with one sendall.
 The httpx API above it (timeouts, exceptions, Response) stays the same, so callers do not know.
-Plain http:// only (the shard stores talk on a private network with a bearer secret); https://
-endpoints keep httpx's own transport.
+With a `PeerTLS` it speaks https:// instead, verifying the store against the service's CA and
+the name in its certificate (the connector does that for stores in another cloud).
 """
 
 from __future__ import annotations
 
 import http.client
 import socket
+import ssl
 import threading
+from dataclasses import dataclass
 
 import httpx
+
+
+@dataclass(frozen=True)
+class PeerTLS:
+    """How to verify one store: the service CA's context and the name its certificate carries."""
+
+    context: ssl.SSLContext
+    server_name: str
+
+
+def client_tls_context(ca_file: str) -> ssl.SSLContext:
+    """Trusts only the service's CA (no system roots); checks names. OSError / ssl.SSLError
+    for an unreadable CA file."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_verify_locations(cafile=ca_file)
+    return context
 
 
 class BulkTransport(httpx.BaseTransport):
     """A pool of idle keep-alive connections per (host, port); thread-safe."""
 
-    def __init__(self, max_idle_per_host: int = 8):
+    def __init__(self, max_idle_per_host: int = 8, tls: PeerTLS | None = None):
         self._max_idle = max_idle_per_host
+        self._tls = tls
         self._idle: dict[tuple[str, int], list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
 
@@ -30,9 +50,10 @@ class BulkTransport(httpx.BaseTransport):
         """One exchange. Raises httpx's exceptions, as its own transport would:
         UnsupportedProtocol for another scheme, ConnectError / ConnectTimeout, ReadTimeout,
         RemoteProtocolError."""
-        if request.url.scheme != "http":
-            raise httpx.UnsupportedProtocol(f"BulkTransport speaks http:// only, not {request.url.scheme}")
-        address = (request.url.host, request.url.port or 80)
+        scheme = "https" if self._tls is not None else "http"
+        if request.url.scheme != scheme:
+            raise httpx.UnsupportedProtocol(f"this BulkTransport speaks {scheme}://, not {request.url.scheme}")
+        address = (request.url.host, request.url.port or (443 if self._tls else 80))
         timeouts = request.extensions.get("timeout", {})
         try:
             body = request.content  # given as bytes
@@ -45,7 +66,7 @@ class BulkTransport(httpx.BaseTransport):
             try:
                 status, response_headers, content, keep = self._exchange(conn, request.method, path, body, headers,
                                                                          timeouts)
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ssl.SSLEOFError):
                 if not reused:
                     raise
                 # The store closed an idle keep-alive connection: once more on a fresh one.
@@ -81,14 +102,20 @@ class BulkTransport(httpx.BaseTransport):
                 return idle.pop(), True
         return self._connect(address, timeouts, request), False
 
-    @staticmethod
-    def _connect(address, timeouts, request) -> http.client.HTTPConnection:
+    def _connect(self, address, timeouts, request) -> http.client.HTTPConnection:
         conn = http.client.HTTPConnection(address[0], address[1], timeout=timeouts.get("connect"))
         try:
             conn.connect()
+            if self._tls is not None:  # what HTTPSConnection does, with the certificate's name, not the address
+                conn.sock = self._tls.context.wrap_socket(conn.sock, server_hostname=self._tls.server_name)
         except TimeoutError as err:
+            conn.close()
             raise httpx.ConnectTimeout(f"connect to {address[0]}:{address[1]} timed out", request=request) from err
+        except ssl.SSLError as err:  # a store whose certificate the service's CA did not sign
+            conn.close()
+            raise httpx.ConnectError(f"TLS with {address[0]}:{address[1]} failed: {err}", request=request) from err
         except OSError as err:
+            conn.close()
             raise httpx.ConnectError(f"connect to {address[0]}:{address[1]}: {err}", request=request) from err
         return conn
 
