@@ -30,6 +30,7 @@ from providers.catalog.loader import (
     gpu_instance_types,
 )
 from providers.base import (
+    TAG_INCARNATION,
     TAG_MANAGED,
     TAG_REPLICA,
     TAG_SERVICE,
@@ -251,7 +252,10 @@ class AWSProvider(Provider):
 
     def launch(self, request: LaunchRequest) -> Instance:
         region = request.location.region
-        existing = self.list({TAG_SERVICE: request.service, TAG_REPLICA: request.replica_id}, regions=[region])
+        wanted = {TAG_SERVICE: request.service, TAG_REPLICA: request.replica_id}
+        if request.incarnation:  # the same replica id of an earlier `up` is another machine
+            wanted[TAG_INCARNATION] = request.incarnation
+        existing = [i for i in self.list(wanted, regions=[region]) if i.status is not InstanceStatus.TERMINATED]
         if existing:  # a retried launch after the token expired, or after a daemon restart
             return existing[0]
         tags = sdk.launch_tags(request)

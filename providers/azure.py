@@ -101,7 +101,7 @@ def map_error(err: Exception, location: Location | None = None, market: Market |
 
 def vm_name(request: LaunchRequest) -> str:
     """A valid, deterministic Linux VM name for the replica (letters, digits, hyphens; <= 64)."""
-    core = re.sub(r"[^A-Za-z0-9-]", "-", f"{request.service}-{request.replica_id}").strip("-")
+    core = re.sub(r"[^A-Za-z0-9-]", "-", request.launch_key).strip("-")
     return f"so-{core}"[:64].rstrip("-")
 
 

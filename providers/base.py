@@ -122,18 +122,36 @@ class LaunchRequest:
     boot_script: str | None = None
     image_id: str | None = None
     price_per_hour: float | None = None
+    # Which `up` of the service this replica belongs to (new whenever a service that is not
+    # running comes up): replica ids start again at 1 after a `down`, so the token and the
+    # tags need it to tell a new replica from an old one of the same id.
+    incarnation: str = ""
+
+    @property
+    def launch_key(self) -> str:
+        """The replica's name across every up of its service: service, incarnation, replica."""
+        parts = (self.service, self.incarnation, self.replica_id) if self.incarnation else (self.service,
+                                                                                            self.replica_id)
+        return "-".join(parts)
 
     @property
     def client_token(self) -> str:
-        """Idempotency token: a retried launch of the same replica never makes a second VM."""
-        return f"{self.service}-{self.replica_id}"[:64]
+        """Idempotency token: a retried launch of the same replica never makes a second VM
+        (and a replica of a later incarnation with the same id never gets the old one)."""
+        return self.launch_key[:64]
 
     def all_tags(self) -> dict[str, str]:
-        return {**self.tags, TAG_SERVICE: self.service, TAG_REPLICA: self.replica_id, TAG_MANAGED: "true"}
+        """The tags every provider puts on the machine: what `list` finds it by and what tells
+        the daemon whose it is (service, incarnation, replica) after a crash or a lost state."""
+        tags = {**self.tags, TAG_SERVICE: self.service, TAG_REPLICA: self.replica_id, TAG_MANAGED: "true"}
+        if self.incarnation:
+            tags[TAG_INCARNATION] = self.incarnation
+        return tags
 
 
 TAG_SERVICE = "spot-orchestrator-service"
 TAG_REPLICA = "spot-orchestrator-replica"
+TAG_INCARNATION = "spot-orchestrator-incarnation"
 TAG_MANAGED = "spot-orchestrator-managed"
 
 
@@ -170,6 +188,10 @@ class Instance:
     @property
     def service(self) -> str | None:
         return self.tags.get(TAG_SERVICE)
+
+    @property
+    def incarnation(self) -> str | None:
+        return self.tags.get(TAG_INCARNATION)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,7 +118,7 @@ def network_tag(service: str) -> str:
 
 def instance_name(request: LaunchRequest) -> str:
     """A valid, deterministic VM name ([a-z]([-a-z0-9]{0,61}[a-z0-9])?) for the replica."""
-    core = re.sub(r"[^a-z0-9-]", "-", f"{request.service}-{request.replica_id}".lower()).strip("-")
+    core = re.sub(r"[^a-z0-9-]", "-", request.launch_key.lower()).strip("-")
     return f"so-{core}"[:63].rstrip("-")
 
 

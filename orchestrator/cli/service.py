@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.cli.client import DaemonClient
-from orchestrator.control.discovery import DEFAULT_PORT
+from orchestrator.control.discovery import DEFAULT_PORT, DaemonStartFailed
 from orchestrator.common.errors import UserError
 
 # A pipe (no terminal) gets whole tables, not 80 columns of wrapped cells.
@@ -146,7 +146,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """Show services and their replicas."""
-    client = DaemonClient.connect(start=False)
+    client = DaemonClient.connect(start=True)
     services = [client.get(f"/v1/services/{service}")] if service else client.get("/v1/services")
     terminal = {"TERMINATED", "FAILED", "FAILED_INITIAL_DELAY", "FAILED_PROBING", "FAILED_PROVISION",
                 "FAILED_CLEANUP", "PREEMPTED"}
@@ -190,7 +190,7 @@ def logs(
     lines: int = typer.Option(50, "--lines", "-n", help="Lines of history per replica."),
 ) -> None:
     """Print a service's replica logs."""
-    client = DaemonClient.connect(start=False)
+    client = DaemonClient.connect(start=True)
     entries = client.get(f"/v1/services/{service}/logs")["replicas"]
     if replica:
         entries = [e for e in entries if e["replica_id"] == replica]
@@ -220,14 +220,24 @@ def logs(
 
 def down(
     services: list[str] = typer.Argument(None, help="Services to tear down."),
-    all_services: bool = typer.Option(False, "--all", "-a", help="Tear down every service."),
+    all_services: bool = typer.Option(False, "--all", "-a", help="Tear down every service (and orphan machines)."),
+    orphans: bool = typer.Option(False, "--orphans", help="With --all: also every managed machine of the clouds "
+                                 "this state used, whatever the state database says (recovers a lost one)."),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until every replica is gone."),
     timeout: float = typer.Option(120, "--timeout"),
 ) -> None:
     """Tear down services: every replica process/instance is terminated."""
     if not services and not all_services:
         raise UserError("name a service, or pass --all")
-    client = DaemonClient.connect(start=False)
+    if orphans and not all_services:
+        raise UserError("--orphans goes with --all")
+    try:
+        client = DaemonClient.connect(start=True)
+    except DaemonStartFailed:
+        if not orphans:
+            raise
+        _terminate_every_machine(wait, timeout)  # no daemon can start (a lost state): the clouds directly
+        return
     names = [s["name"] for s in client.get("/v1/services")] if all_services else list(services)
     for name in names:
         client.delete(f"/v1/services/{name}")
@@ -242,6 +252,43 @@ def down(
         raise UserError(f"still shutting down after {timeout:.0f}s: {', '.join(sorted(pending))}")
     for name in names:
         console.print(f"service {name}: {'down' if wait else 'shutting down'}")
+    if all_services:  # machines no service owns (a lost or restored state, a crash): now, not after the grace
+        found = client.delete("/v1/orphans")
+        while wait and found and time.monotonic() < deadline:
+            time.sleep(0.5)
+            found = client.delete("/v1/orphans")
+        if wait and found:
+            raise UserError(f"{len(found)} orphan machine(s) still running after {timeout:.0f}s")
+        if found or not names:
+            console.print(f"orphan machines: {len(found)} left" if found else "no orphan machines")
+
+
+def _terminate_every_machine(wait: bool, timeout: float) -> None:
+    from orchestrator.control.orphans import clouds_in_use, live_machines
+    from providers import registry
+
+    providers: dict = {}
+
+    def provider(cloud: str):
+        if cloud not in providers:
+            providers[cloud] = registry.make(cloud)
+        return providers[cloud]
+
+    clouds = clouds_in_use(None)
+    machines = live_machines(clouds, provider)
+    for inst in machines:
+        provider(inst.location.cloud).terminate(inst.instance_id)
+    deadline = time.monotonic() + timeout
+    left = live_machines(clouds, provider)
+    while wait and left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = live_machines(clouds, provider)
+    for p in providers.values():
+        p.close()
+    if wait and left:
+        raise UserError(f"{len(left)} machine(s) still running after {timeout:.0f}s")
+    console.print(f"terminated {len(machines)} managed machine(s) on {', '.join(clouds) or 'no cloud'} "
+                  "(the daemon could not start); move an unreadable state database aside before `spotctl up`")
 
 
 def events(
@@ -250,7 +297,7 @@ def events(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Recent events: transitions, launches, notices, preemptions, capacity errors."""
-    client = DaemonClient.connect(start=False)
+    client = DaemonClient.connect(start=True)
     rows = client.get("/v1/events", params={"service": service, "limit": limit} if service else {"limit": limit})
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
@@ -275,7 +322,7 @@ def chaos_preempt(
     """Send a preemption notice, then kill at the deadline (local cloud: SIGKILL)."""
     if bool(replica) == bool(zone):
         raise UserError("give a replica id or --zone ZONE (exactly one)")
-    client = DaemonClient.connect(start=False)
+    client = DaemonClient.connect(start=True)
     result = client.post("/v1/chaos/preempt", json={"replica_id": replica, "zone": zone, "grace_s": grace,
                                                    "service": service})
     if as_json:

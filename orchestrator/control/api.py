@@ -14,6 +14,8 @@ Routes (JSON in and out; errors are {"detail": "<one line>"}):
     GET    /v1/events                   ?service=&limit=&since=
     POST   /v1/notices                  {"instance_id", "kind", "deadline", "source"} (agents)
     POST   /v1/chaos/preempt            {"replica_id" | "zone", "grace_s"}
+    GET    /v1/orphans                  machines no known service (incarnation) owns; the grace runs
+    DELETE /v1/orphans                  terminate them now (`spotctl down --all`)
     GET    /v1/bootstrap/wheel, POST /v1/bootstrap/redeem      (a booting VM, with its bootstrap token)
 Errors are {"detail": "<one line>"}: 400/422 for bad input, 401/403 for credentials, 404, 413.
 """
@@ -296,6 +298,14 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
             Notice(instance_id=body.instance_id, kind=body.kind, deadline=body.deadline, source=body.source)
         )
         return {"accepted": True, "replica_id": handled}
+
+    @app.get("/v1/orphans")
+    def list_orphans() -> list[dict]:
+        return daemon.sweep_orphans()
+
+    @app.delete("/v1/orphans")
+    def terminate_orphans() -> list[dict]:
+        return daemon.sweep_orphans(now_all=True)
 
     @app.post("/v1/chaos/preempt")
     def chaos(body: ChaosPreempt) -> dict:

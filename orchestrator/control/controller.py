@@ -16,6 +16,7 @@ What reconcile does, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -66,6 +67,12 @@ DRAIN_OVERRUN_S = 10.0
 # Consecutive failed probes before a READY replica counts as NOT_READY (and gets covered).
 NOT_READY_AFTER_FAILURES = 2
 MARKET_EVENT_KINDS = {k.value for k in EventKind}
+
+# Launches sent to a cloud and not yet recorded, per (store, service), shared by every
+# controller of this process: a spec update replaces a service's controller while the old one
+# may still be launching, and the new one must not adopt (or fail) that replica meanwhile.
+_IN_FLIGHT: set[tuple[str, str]] = set()
+_IN_FLIGHT_LOCK = threading.Lock()
 
 
 class Controller:
@@ -177,6 +184,7 @@ class Controller:
                 return  # the provider could not be read: decide nothing on stale facts
             notices = self._provider_notices()
             with self._lock:
+                self._settle_unrecorded(instances)
                 self._observe_deaths(instances)
                 self._observe_endpoints(instances)
             for notice in notices:
@@ -219,6 +227,68 @@ class Controller:
         if observed is None:
             log.warning("service %s: no cloud could list its instances", self.service)
         return observed
+
+    def _in_flight(self, replica_id: str) -> bool:
+        with _IN_FLIGHT_LOCK:
+            return (self.store.url, replica_id) in _IN_FLIGHT
+
+    def _mark_in_flight(self, replica_id: str, on: bool) -> None:
+        with _IN_FLIGHT_LOCK:
+            (_IN_FLIGHT.add if on else _IN_FLIGHT.discard)((self.store.url, replica_id))
+
+    def _settle_unrecorded(self, instances: Observed) -> None:
+        """What a daemon killed mid-launch left behind. An instance of this incarnation that no
+        replica row names is adopted by its replica when that one is still waiting for it
+        (PENDING/PROVISIONING, no instance), else terminated (its slot is taken or gone). A
+        waiting replica with no launch in flight and no instance never got one: it failed.
+        Instances of other incarnations are the daemon's orphan sweep's."""
+        incarnation = self._incarnation()
+        rows = {r.replica_id: r for r in self.store.list_replicas(self.service, include_terminal=True)}
+        known = {r.instance_id for r in rows.values() if r.instance_id}
+        claimed: set[str] = set()
+        for inst in instances:
+            if inst.status in (InstanceStatus.TERMINATED, InstanceStatus.STOPPING) or inst.instance_id in known:
+                continue
+            if (inst.incarnation or "") not in ("", incarnation):
+                continue
+            row = rows.get(inst.replica_id or "")
+            if row is not None and self._in_flight(row.replica_id):
+                continue  # its launch is recording it now
+            if (row is not None and row.instance_id is None and row.replica_id not in claimed
+                    and row.replica_state in (S.PENDING, S.PROVISIONING)):
+                claimed.add(row.replica_id)
+                self._adopt(row, inst)
+                continue
+            if inst.instance_id in self._terminating:
+                continue
+            log.warning("service %s: instance %s (replica %s) has no replica waiting for it; terminating",
+                        self.service, inst.instance_id, inst.replica_id)
+            self.store.record_event("orphan_terminated", service=self.service, replica_id=inst.replica_id,
+                                    location=inst.location, market=inst.market,
+                                    message=f"instance {inst.instance_id}: its replica's slot is taken")
+            self._terminate(inst.location.cloud, inst.instance_id)
+        for r in self.store.list_replicas(self.service):
+            if (r.replica_state in (S.PENDING, S.PROVISIONING) and not r.instance_id
+                    and r.replica_id not in claimed and not self._in_flight(r.replica_id)
+                    and not instances.unknown_at(r.cloud, r.region)):
+                state = S.TERMINATED if r.replica_state is S.PENDING else S.FAILED_PROVISION
+                self._set_state(r, state, "its launch was interrupted (daemon restart) and made no instance")
+
+    def _adopt(self, row: ReplicaRow, inst) -> None:
+        if row.replica_state is S.PENDING:
+            row = self._set_state(row, S.PROVISIONING, "adopting the instance its launch made")
+        self._apply_outcome(
+            row, decisions.LAUNCH_GRANTED, f"instance {inst.instance_id} adopted (launched, not recorded)",
+            "adopted after a daemon restart", instance_id=inst.instance_id,
+            instance_type=inst.instance_type or row.instance_type, endpoint=inst.endpoint,
+            agent_endpoint=inst.agent_endpoint, control_endpoint=inst.control_endpoint,
+            launched_at=inst.launched_at, price_per_hour=inst.price_per_hour or row.price_per_hour,
+        )
+        log.info("service %s: adopted instance %s as %s", self.service, inst.instance_id, row.replica_id)
+
+    def _incarnation(self) -> str:
+        row = self.store.get_service(self.service)
+        return row.incarnation if row is not None else ""
 
     def _observe_deaths(self, instances: Observed) -> None:
         for r in self.store.list_replicas(self.service):
@@ -353,16 +423,25 @@ class Controller:
             "launch", service=self.service, replica_id=row.replica_id, location=location, market=market,
             message=f"{reason} ({offer.instance_type}, ${offer.price_per_hour:.4f}/h)",
         )
+        self._mark_in_flight(row.replica_id, True)
         row = self._set_state(row, S.PROVISIONING, reason, instance_type=offer.instance_type,
                               price_per_hour=offer.price_per_hour)
         try:
             request = self.launcher.request(spec, row, offer, self.clouds.provider(location.cloud).runtime())
         except UserError as err:  # e.g. the demo model could not be built: a failed launch, said once
             self._apply_outcome(row, decisions.launch_failed(ProviderError(str(err))), f"launch failed: {err}")
+            self._mark_in_flight(row.replica_id, False)
             return None
-        return row, request, reason
+        # Every launcher's request carries the incarnation (tags and idempotency token).
+        return row, dataclasses.replace(request, incarnation=self._incarnation()), reason
 
     def _carry_out_launch(self, row: ReplicaRow, request: LaunchRequest, reason: str) -> None:
+        try:
+            self._send_launch(row, request, reason)
+        finally:
+            self._mark_in_flight(row.replica_id, False)
+
+    def _send_launch(self, row: ReplicaRow, request: LaunchRequest, reason: str) -> None:
         try:
             inst = self.clouds.provider(request.location.cloud).launch(request)
         except ProviderError as err:

@@ -4,8 +4,11 @@ Each job calls one function of the library, so the daemon stays small:
     reconcile  every 2 s   Controller.reconcile() for each service
     probe      every 2 s   Controller.probe() for each service
     prices     per cloud   pricebook.refresh_prices() (clouds whose quotes are cached)
+    orphans    every 30 s  OrphanSweeper.sweep() (and once at start): machines nobody owns
 All state is in the store; a restarted daemon rebuilds controllers, load balancers and
-policies from it (policies by replaying the events table).
+policies from it (policies by replaying the events table). One daemon per state directory:
+`serve` holds `daemon.lock` there (fcntl) for its lifetime, whatever its port, and refuses a
+lost state database while managed machines run (orchestrator.control.orphans).
 
     python -m orchestrator.control.daemon [--host 127.0.0.1] [--port 8470]    (= `spotctl daemon`)
 """
@@ -13,6 +16,9 @@ policies from it (policies by replaying the events table).
 from __future__ import annotations
 
 import argparse
+import datetime
+import fcntl
+import importlib
 import logging
 import os
 import signal
@@ -29,7 +35,7 @@ from apscheduler.executors.pool import ThreadPoolExecutor as APThreadPool
 from apscheduler.schedulers.background import BackgroundScheduler
 
 
-from orchestrator.control import auth, discovery
+from orchestrator.control import auth, discovery, orphans
 
 from orchestrator.common import paths
 from orchestrator.control.controller import Controller
@@ -53,6 +59,10 @@ log = logging.getLogger("orchestrator.control.daemon")
 RECONCILE_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_RECONCILE_S", "2"))
 PROBE_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_PROBE_S", "2"))
 PRICES_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_PRICES_S", "600"))
+ORPHANS_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_ORPHANS_S", "30"))
+# A ReplicaLauncher subclass ("module:Class") instead of the default: a custom replica runtime,
+# or the tests' stand-in engine for daemons that spotctl starts.
+LAUNCHER_ENV = "SPOT_ORCHESTRATOR_LAUNCHER"
 # A reconcile or probe pass longer than this is logged once, with its time: every pass of the
 # same job waits for it, and notices wait for the controller's lock it holds. (A cloud launch
 # inside a reconcile takes seconds; five skipped 2 s intervals are worth a line.)
@@ -102,7 +112,7 @@ class Daemon:
         # of this host can use that one).
         self.public_url = (public_url or os.environ.get(PUBLIC_URL_ENV) or "").rstrip("/") or None
         self.bootstrap = BootstrapTokens(self.store)
-        self.launcher = launcher
+        self.launcher = launcher or _launcher_from_env()
         self.policy_factory = policy_factory
         self.host = host
         self.url = ""
@@ -113,6 +123,7 @@ class Daemon:
         self.lbs: dict[str, LoadBalancer] = {}
         self.migrator = Migrator(self.store, self.controllers, self.lbs, self.provider, self.reconcile_service)
         self.book = PriceBook()  # live quotes of the real clouds in use (the local cloud prices itself)
+        self.orphans = orphans.OrphanSweeper(self.store, self.provider)
         self._lock = threading.RLock()
         self.started_at = time.time()
         self._reconcile_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="reconcile")
@@ -184,6 +195,7 @@ class Daemon:
                 except ProviderError as err:
                     raise UserError(f"resources.cloud {cloud}: setting up the service's network failed: {err}") \
                         from None
+            orphans.remember_clouds(clouds)  # before any launch: a lost database still says where to look
             self.store.create_or_update_service(spec.name, spec.to_json(), endpoint=endpoint, lb_port=port)
             if spec.name in self.controllers:  # an update: new spec, same fleet
                 self.controllers[spec.name].close()
@@ -323,12 +335,21 @@ class Daemon:
             except Exception:
                 log.exception("probe of %s failed", name)
 
+    def sweep_orphans(self, now_all: bool = False) -> list[dict]:
+        try:
+            return self.orphans.sweep(now_all)
+        except Exception:
+            log.exception("the orphan sweep failed")
+            return []
+
     def start_jobs(self) -> None:
         self.scheduler.add_job(self.reconcile_all, "interval", seconds=RECONCILE_INTERVAL_S, id="reconcile",
                                max_instances=1)
         self.scheduler.add_job(self.probe_all, "interval", seconds=PROBE_INTERVAL_S, id="probe", max_instances=1)
         self.scheduler.add_job(self.refresh_prices, "interval", seconds=PRICES_INTERVAL_S, id="prices",
                                max_instances=1)
+        self.scheduler.add_job(self.sweep_orphans, "interval", seconds=ORPHANS_INTERVAL_S, id="orphans",
+                               max_instances=1, next_run_time=datetime.datetime.now())
         self.scheduler.start()
 
     def shutdown(self) -> None:
@@ -394,13 +415,43 @@ class DaemonServer:
             discovery.daemon_info_path().unlink(missing_ok=True)
 
 
+def _launcher_from_env() -> ReplicaLauncher | None:
+    target = os.environ.get(LAUNCHER_ENV)
+    if not target:
+        return None
+    module, _, name = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)()
+    except (ImportError, AttributeError, ValueError) as err:
+        raise UserError(f"{LAUNCHER_ENV}={target}: cannot load it ({err})") from None
+
+
+def hold_state_lock():
+    """The state directory's daemon lock (an open file; held until the process ends).
+    Raises UserError when another daemon holds it."""
+    path = discovery.daemon_lock_path()
+    fh = open(path, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "?"
+        fh.close()
+        raise UserError(f"a daemon (pid {holder}) already runs for the state in {paths.home()}") from None
+    fh.truncate(0)
+    fh.write(str(os.getpid()))
+    fh.flush()
+    return fh
+
+
 def serve(host: str = "127.0.0.1", port: int = discovery.DEFAULT_PORT, public_url: str | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
-    running = discovery.running_daemon_url()
-    if running:
-        raise UserError(f"a daemon is already running at {running}")
-    server = DaemonServer(Daemon(host=host, public_url=public_url), host, port)
+    lock = hold_state_lock()  # noqa: F841 - held for the life of the process
+    store = orphans.open_store()
+    daemon = Daemon(store=store, host=host, public_url=public_url)
+    orphans.check_state(store, daemon.provider)
+    server = DaemonServer(daemon, host, port)
     signal.signal(signal.SIGTERM, lambda *_: setattr(server.server, "should_exit", True))
     server.run()
 
@@ -415,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         serve(opts.host, opts.port, opts.public_url)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     return 0
 
 

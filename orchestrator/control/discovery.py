@@ -7,6 +7,7 @@ background when none answers (`start_daemon_in_background`).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -20,12 +21,37 @@ import httpx
 from orchestrator.common import paths, procs
 from orchestrator.common.errors import UserError
 
+class DaemonStartFailed(UserError):
+    """The daemon spotctl started exited with an error (e.g. a lost state database)."""
+
+    exit_code = 1
+
+
 # 0 = any free port (tests run several daemons side by side).
 DEFAULT_PORT = int(os.environ.get("SPOT_ORCHESTRATOR_DAEMON_PORT", "8470"))
 
 
 def daemon_info_path() -> Path:
     return paths.home() / "daemon.json"
+
+
+def daemon_lock_path() -> Path:
+    """The lock the running daemon holds (orchestrator.control.daemon.hold_state_lock)."""
+    return paths.home() / "daemon.lock"
+
+
+def lock_held() -> bool:
+    """Whether a daemon holds this state directory's lock (running, or starting up)."""
+    try:
+        with open(daemon_lock_path(), "a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            return False
+    except OSError:
+        return False
 
 
 def read_daemon_info() -> dict[str, Any] | None:
@@ -56,14 +82,28 @@ def start_daemon_in_background(port: int | None = None, wait_s: float = 60.0) ->
     cmd = [sys.executable, "-m", "orchestrator.control.daemon"]
     cmd += ["--port", str(DEFAULT_PORT if port is None else port)]
     with open(log, "ab") as out:
-        subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        start = out.tell()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         url = running_daemon_url()
         if url:
             return url
+        # Ours exited: another one beside it (a concurrent `spotctl`) holds the lock and is
+        # starting, or ours failed, and then its one-line error is the user's.
+        if proc.poll() is not None and not lock_held():
+            raise DaemonStartFailed(_last_error(log, start) or f"the daemon exited ({proc.returncode}); see {log}")
         time.sleep(0.2)
     raise UserError(f"the daemon did not start within {wait_s:.0f}s; see {log}")
+
+
+def _last_error(log: Path, start: int) -> str | None:
+    with open(log, "rb") as fh:
+        fh.seek(start)
+        lines = fh.read().decode(errors="replace").splitlines()
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    return errors[-1] if errors else None
 
 
 def write_daemon_info(url: str) -> None:

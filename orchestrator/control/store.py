@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -72,6 +73,9 @@ class ServiceRow(SQLModel, table=True):
     endpoint: str | None = None
     lb_port: int | None = None
     next_replica_index: int = 1  # replica ids are never reused, even after deletion
+    # Which `up` of the service this is: new whenever the row is created (a service that was
+    # not running), kept by updates. Its machines carry it in their tags (providers.base).
+    incarnation: str = Field(default_factory=lambda: secrets.token_hex(4))
     created_at: float = Field(default_factory=_now)
     updated_at: float = Field(default_factory=_now)
     version: int = 1
@@ -597,6 +601,23 @@ def _make_engine(url: str) -> Engine:
     return engine
 
 
+# Columns added to existing tables after their first release, with the SQL default that an
+# existing row gets: create_all makes missing tables, never missing columns.
+_ADDED_COLUMNS = {"services": {"incarnation": "''"}}
+
+
+def _add_missing_columns(engine: Engine) -> None:
+    from sqlalchemy import inspect, text
+
+    inspector = inspect(engine)
+    for table, columns in _ADDED_COLUMNS.items():
+        have = {c["name"] for c in inspector.get_columns(table)}
+        for name, default in columns.items():
+            if name not in have:
+                with engine.begin() as conn:
+                    conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} VARCHAR NOT NULL DEFAULT {default}"))
+
+
 class Tx(_Ops):
     """One open transaction: every Store operation, all committed together or not at all."""
 
@@ -616,6 +637,7 @@ class Store(_Ops):
         self.engine = _make_engine(self.url)
         self._local = threading.local()
         SQLModel.metadata.create_all(self.engine)
+        _add_missing_columns(self.engine)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Tx]:

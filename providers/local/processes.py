@@ -71,6 +71,22 @@ def kill_group(pgid: int, stop_timeout_s: float) -> None:
         wait_group_gone(pgid, 10.0)
 
 
+def find_by_env(key: str, value: str) -> list[int]:
+    """Pids of this user's processes whose environment has key=value (a machine whose launcher
+    died before recording its pid is found by the instance id it was given)."""
+    wanted = f"{key}={value}".encode()
+    found = []
+    for entry in os.scandir("/proc") if procs.HAVE_PROC else ():
+        if entry.name.isdigit():
+            try:
+                env = Path(f"/proc/{entry.name}/environ").read_bytes()
+            except OSError:  # gone, or not ours
+                continue
+            if wanted in env.split(b"\0"):
+                found.append(int(entry.name))
+    return found
+
+
 def free_port(avoid: set[int]) -> int:
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -158,6 +158,7 @@ class LocalProvider(Provider):
         market = Market(request.market)
         loc = request.location
         with self._registry.locked():
+            self._kill_interrupted_launches()
             for record in self._registry.instances():
                 if record["client_token"] == request.client_token:
                     return self._observe(record)  # idempotent, like EC2's ClientToken
@@ -179,7 +180,20 @@ class LocalProvider(Provider):
                 raise ProviderError(f"launch of {request.replica_id}: the request has no command to run")
             record = self._start(request, market, zones[loc.zone], {p for r in running for p in _ports(r)})
             self._registry.save(record)
+            self._registry.end_launch(record["instance_id"])
             return self._instance(record, InstanceStatus.RUNNING)
+
+    def _kill_interrupted_launches(self) -> None:
+        """Kill the processes of launches whose launcher died before saving their record (call
+        with the registry lock held): no record names them, so nothing else ever would."""
+        for instance_id in self._registry.interrupted_launches():
+            if self._registry.instance(instance_id) is None:
+                for pid in processes.find_by_env(INSTANCE_ID_ENV, instance_id):
+                    stat = procs.proc_stat(pid)
+                    if stat is not None:
+                        processes.signal_group(stat.pgid, signal.SIGKILL)
+                shutil.rmtree(processes.scratch_dir(instance_id), ignore_errors=True)
+            self._registry.end_launch(instance_id)
 
     def _start(
         self, request: LaunchRequest, market: Market, prices: ZonePrices, used: set[int]
@@ -191,6 +205,7 @@ class LocalProvider(Provider):
         values = {"port": str(port), "agent_port": str(agent_port), "control_port": str(control_port),
                   "instance_id": instance_id}
         notice_file = self._registry.notice_file(instance_id)
+        self._registry.begin_launch(instance_id)
         scratch = processes.scratch_dir(instance_id)
         scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = {
@@ -215,6 +230,7 @@ class LocalProvider(Provider):
                 )
             except OSError as err:
                 shutil.rmtree(scratch, ignore_errors=True)
+                self._registry.end_launch(instance_id)
                 raise ProviderError(
                     f"launch of {request.replica_id}: cannot run {command[0]!r}: {err.strerror}"
                 ) from None
@@ -276,6 +292,7 @@ class LocalProvider(Provider):
         now = time.time()
         out = []
         with self._registry.locked():
+            self._kill_interrupted_launches()
             for record in self._registry.instances():
                 if (
                     record["status"] == "terminated"

@@ -76,5 +76,18 @@ class Records:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
+    # A launch in progress: marked before its process starts, cleared once its record is saved.
+    # Launches hold the lock throughout, so a marker another lock holder sees is a launcher
+    # killed in between, and its process (if it started) has no record: nobody's.
+    def begin_launch(self, instance_id: str) -> None:
+        (self.instances_dir / f"{instance_id}.launching").touch()
+
+    def end_launch(self, instance_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.instances_dir / f"{instance_id}.launching").unlink()
+
+    def interrupted_launches(self) -> builtins.list[str]:
+        return [p.name.removesuffix(".launching") for p in self.instances_dir.glob("*.launching")]
+
     def notice_file(self, instance_id: str) -> Path:
         return self.notices_dir / f"{instance_id}.json"
