@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from orchestrator.common.errors import UserError
+from orchestrator.common.errors import RuntimeFailure, UserError
 from orchestrator.control import auth
 from orchestrator.control.discovery import running_daemon_url, start_daemon_in_background
 
@@ -23,7 +23,8 @@ class DaemonClient:
         url = running_daemon_url()
         if url is None:
             if not start:
-                raise UserError("no daemon is running; start one with `spotctl daemon` (or `spotctl up` starts it)")
+                raise RuntimeFailure("no daemon is running; start one with `spotctl daemon` "
+                                     "(or `spotctl up` starts it)")
             url = start_daemon_in_background()
         return cls(url)
 
@@ -31,13 +32,15 @@ class DaemonClient:
         try:
             r = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as err:
-            raise UserError(f"daemon at {self.url} unreachable: {err}") from None
+            raise RuntimeFailure(f"daemon at {self.url} unreachable: {err}") from None
         if r.status_code >= 400:
             try:
                 detail = r.json().get("detail", r.text)
             except ValueError:
                 detail = r.text
-            raise UserError(str(detail) if r.status_code < 500 else f"daemon error ({r.status_code}): {detail}")
+            if r.status_code >= 500:  # the daemon failed, not the input
+                raise RuntimeFailure(f"daemon error ({r.status_code}): {detail}")
+            raise UserError(str(detail))
         return r.json() if r.content else None
 
     def get(self, path: str, **kw: Any) -> Any:

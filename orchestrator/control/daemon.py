@@ -31,7 +31,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from orchestrator.control import auth, discovery
 
-from orchestrator.common import paths
+from orchestrator.common import logsetup, paths
 from orchestrator.control.controller import Controller
 from orchestrator.common.errors import UserError
 from orchestrator.lb.proxy import LoadBalancer
@@ -184,7 +184,10 @@ class Daemon:
                 except ProviderError as err:
                     raise UserError(f"resources.cloud {cloud}: setting up the service's network failed: {err}") \
                         from None
-            self.store.create_or_update_service(spec.name, spec.to_json(), endpoint=endpoint, lb_port=port)
+            # A new spec gives a FAILED service a fresh start.
+            fresh = ServiceStatus.PENDING if existing is not None and existing.status == ServiceStatus.FAILED else None
+            self.store.create_or_update_service(spec.name, spec.to_json(), status=fresh, endpoint=endpoint,
+                                                lb_port=port)
             if spec.name in self.controllers:  # an update: new spec, same fleet
                 self.controllers[spec.name].close()
                 del self.controllers[spec.name]
@@ -395,8 +398,7 @@ class DaemonServer:
 
 
 def serve(host: str = "127.0.0.1", port: int = discovery.DEFAULT_PORT, public_url: str | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    logsetup.configure_daemon()  # level: SPOT_ORCHESTRATOR_LOG_LEVEL (`spotctl --log-level`)
     running = discovery.running_daemon_url()
     if running:
         raise UserError(f"a daemon is already running at {running}")
@@ -415,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         serve(opts.host, opts.port, opts.public_url)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     return 0
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from orchestrator.common import paths, procs
-from orchestrator.common.errors import UserError
+from orchestrator.common.errors import RuntimeFailure
 
 # 0 = any free port (tests run several daemons side by side).
 DEFAULT_PORT = int(os.environ.get("SPOT_ORCHESTRATOR_DAEMON_PORT", "8470"))
@@ -63,7 +63,7 @@ def start_daemon_in_background(port: int | None = None, wait_s: float = 60.0) ->
         if url:
             return url
         time.sleep(0.2)
-    raise UserError(f"the daemon did not start within {wait_s:.0f}s; see {log}")
+    raise RuntimeFailure(f"the daemon did not start within {wait_s:.0f}s; see {log}")
 
 
 def write_daemon_info(url: str) -> None:

@@ -291,6 +291,7 @@ class LoadBalancer:
                 raise RuntimeError(f"load balancer on {host}:{port} did not start")
             time.sleep(0.01)
         self.url = f"http://{host}:{port}"
+        log.info("load balancer listening on %s (policy %s)", self.url, self.policy)
         return port
 
     def stop(self) -> None:
