@@ -8,6 +8,7 @@ import httpx
 
 from orchestrator.common.errors import RuntimeFailure, UserError
 from orchestrator.control import auth
+from orchestrator.control import discovery
 from orchestrator.control.discovery import running_daemon_url, start_daemon_in_background
 
 class DaemonClient:
@@ -16,7 +17,8 @@ class DaemonClient:
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0):
         self.url = url.rstrip("/")
         self.token = token or auth.read_token() or ""
-        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers={"Authorization": f"Bearer {self.token}"})
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers={"Authorization": f"Bearer {self.token}"},
+                                  verify=discovery.verify())
 
     @classmethod
     def connect(cls, start: bool = False) -> DaemonClient:

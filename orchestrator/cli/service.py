@@ -13,6 +13,7 @@ from rich.table import Table
 
 from orchestrator.cli.client import DaemonClient
 from orchestrator.cli.wait import wait_ready
+from orchestrator.control.tls import service_tls
 from orchestrator.control.discovery import DEFAULT_PORT
 from orchestrator.common.errors import RuntimeFailure, UserError
 
@@ -54,6 +55,7 @@ def up(
     if not spec_file.exists():
         raise UserError(f"{spec_file}: no such file")
     spec = load_spec(spec_file)  # validate here too: errors without a round trip
+    service_tls(spec)  # missing or unreadable TLS files: one line, before the daemon starts
     envs = env_values(env, spec.task.get("envs") or {})
     if dry_run:
         _dry_run(spec, as_json)
@@ -312,11 +314,15 @@ def daemon(
                              help="API port (0 = any free port)."),
     public_url: str = typer.Option(None, "--public-url",
                                    help="The URL replica VMs reach the daemon at (or $SPOT_ORCHESTRATOR_PUBLIC_URL)."),
+    tls_certfile: str = typer.Option(None, "--tls-certfile", help="The API's certificate (needed beyond loopback; "
+                                     "or $SPOT_ORCHESTRATOR_API_CERTFILE)."),
+    tls_keyfile: str = typer.Option(None, "--tls-keyfile", help="Its key (or $SPOT_ORCHESTRATOR_API_KEYFILE)."),
+    plain_http: bool = typer.Option(False, "--plain-http", help="Beyond loopback without TLS (a TLS proxy in front)."),
 ) -> None:
     """Run the control plane in the foreground (jobs + HTTP API)."""
     from orchestrator.control.daemon import serve
 
-    serve(host, port, public_url)
+    serve(host, port, public_url, tls_certfile, tls_keyfile, plain_http)
 
 
 def register(app: typer.Typer) -> None:

@@ -29,7 +29,7 @@ from apscheduler.executors.pool import ThreadPoolExecutor as APThreadPool
 from apscheduler.schedulers.background import BackgroundScheduler
 
 
-from orchestrator.control import auth, discovery
+from orchestrator.control import auth, discovery, tls
 
 from orchestrator.common import logsetup, paths
 from orchestrator.control.controller import Controller
@@ -174,7 +174,8 @@ class Daemon:
             if existing is not None and existing.status == ServiceStatus.SHUTTING_DOWN:
                 raise UserError(f"service {spec.name!r} is shutting down; wait for `spotctl down` to finish")
             port = (existing.lb_port if existing else None) or spec.service.ports or free_port(self.host)
-            endpoint = f"http://{self.host}:{port}"
+            scheme = "https" if tls.service_tls(spec) else "http"  # missing or bad TLS files: refused here
+            endpoint = f"{scheme}://{self.host}:{port}"
             for cloud in clouds:
                 if self.provider(cloud).runtime().on_this_host:
                     continue
@@ -201,9 +202,13 @@ class Daemon:
         spec = spec_from_json(row.spec_json)
         clouds = self.spec_clouds(spec)
         lb = self.lbs.get(name)
+        cert = tls.service_tls(spec)
+        if lb is not None and lb.url.startswith("https") != bool(cert):  # TLS switched on or off
+            self.lbs.pop(name).stop()
+            lb = None
         if lb is None:
             lb = LoadBalancer(policy=spec.service.load_balancing_policy)
-            lb.start(self.host, row.lb_port)
+            lb.start(self.host, row.lb_port, (cert.certfile, cert.keyfile) if cert else None)
             self.lbs[name] = lb
         controller = Controller(
             name,
@@ -350,14 +355,18 @@ class Daemon:
 class DaemonServer:
     """The daemon's API server plus its jobs; `run()` in the foreground, or a thread (tests)."""
 
-    def __init__(self, daemon: Daemon, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, daemon: Daemon, host: str = "127.0.0.1", port: int = 0, cert: tls.CertPair | None = None):
         from orchestrator.control.api import create_app
         from orchestrator.control.gate import server_config
 
         self.daemon = daemon
+        self.cert = cert
         port = port or free_port(host)
-        daemon.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(server_config(create_app(daemon), host, port))
+        daemon.url = f"{'https' if cert else 'http'}://{host}:{port}"
+        config = server_config(create_app(daemon), host, port)
+        if cert is not None:
+            config.ssl_certfile, config.ssl_keyfile = cert.certfile, cert.keyfile
+        self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     def _on_started(self) -> None:
@@ -365,7 +374,7 @@ class DaemonServer:
             if self.server.should_exit:
                 return
             time.sleep(0.05)
-        discovery.write_daemon_info(self.daemon.url)
+        discovery.write_daemon_info(self.daemon.url, self.cert.certfile if self.cert else None)
         self.daemon.restore_services()
         self.daemon.start_jobs()
         log.info("daemon listening on %s (state in %s)", self.daemon.url, paths.home())
@@ -397,12 +406,14 @@ class DaemonServer:
             discovery.daemon_info_path().unlink(missing_ok=True)
 
 
-def serve(host: str = "127.0.0.1", port: int = discovery.DEFAULT_PORT, public_url: str | None = None) -> None:
+def serve(host: str = "127.0.0.1", port: int = discovery.DEFAULT_PORT, public_url: str | None = None,
+          certfile: str | None = None, keyfile: str | None = None, plain_http: bool = False) -> None:
+    cert = tls.api_tls(host, certfile, keyfile, plain_http)  # before anything starts
     logsetup.configure_daemon()  # level: SPOT_ORCHESTRATOR_LOG_LEVEL (`spotctl --log-level`)
     running = discovery.running_daemon_url()
     if running:
         raise UserError(f"a daemon is already running at {running}")
-    server = DaemonServer(Daemon(host=host, public_url=public_url), host, port)
+    server = DaemonServer(Daemon(host=host, public_url=public_url), host, port, cert)
     signal.signal(signal.SIGTERM, lambda *_: setattr(server.server, "should_exit", True))
     server.run()
 
@@ -412,9 +423,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=discovery.DEFAULT_PORT)
     parser.add_argument("--public-url", help=f"the URL replica VMs reach the daemon at (or ${PUBLIC_URL_ENV})")
+    parser.add_argument("--tls-certfile", help=f"the API's certificate (or ${tls.CERTFILE_ENV})")
+    parser.add_argument("--tls-keyfile", help=f"its key (or ${tls.KEYFILE_ENV})")
+    parser.add_argument("--plain-http", action="store_true", help="beyond loopback without TLS (a TLS proxy)")
     opts = parser.parse_args(argv)
     try:
-        serve(opts.host, opts.port, opts.public_url)
+        serve(opts.host, opts.port, opts.public_url, opts.tls_certfile, opts.tls_keyfile, opts.plain_http)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
