@@ -18,5 +18,5 @@ The service is up at $ENDPOINT (OpenAI-compatible). Try:
   curl -N $ENDPOINT/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"model": "demo", "stream": true, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
 
-Then: .venv/bin/spotctl status -v | chaos preempt demo-1 --grace 30 | events demo | logs demo | down demo
+Then: .venv/bin/spotctl status -v | chaos preempt demo-1 --grace 30 | events demo | logs demo | down demo -y
 MSG

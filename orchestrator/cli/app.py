@@ -18,6 +18,22 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+@app.callback()
+def _global(
+    log_level: str = typer.Option(None, "--log-level", metavar="LEVEL",
+                                  help="debug|info|warning|error of the daemon this starts "
+                                       "(or $SPOT_ORCHESTRATOR_LOG_LEVEL)."),
+) -> None:
+    """Serve LLMs on spot GPUs across clouds without noticing preemptions."""
+    import os
+
+    from orchestrator.common import logsetup
+
+    if log_level is not None:  # the daemon (`spotctl daemon`, or started by `up`) reads it
+        os.environ[logsetup.LEVEL_ENV] = logsetup.level_name(log_level)
+
+
 # One line per verb group; a group's module owns its commands.
 COMMAND_MODULES = [
     "service",

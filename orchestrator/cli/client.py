@@ -6,8 +6,9 @@ from typing import Any
 
 import httpx
 
-from orchestrator.common.errors import UserError
+from orchestrator.common.errors import RuntimeFailure, UserError
 from orchestrator.control import auth
+from orchestrator.control import discovery
 from orchestrator.control.discovery import running_daemon_url, start_daemon_in_background
 
 class DaemonClient:
@@ -16,14 +17,16 @@ class DaemonClient:
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0):
         self.url = url.rstrip("/")
         self.token = token or auth.read_token() or ""
-        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers={"Authorization": f"Bearer {self.token}"})
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers={"Authorization": f"Bearer {self.token}"},
+                                  verify=discovery.verify())
 
     @classmethod
     def connect(cls, start: bool = False) -> DaemonClient:
         url = running_daemon_url()
         if url is None:
             if not start:
-                raise UserError("no daemon is running; start one with `spotctl daemon` (or `spotctl up` starts it)")
+                raise RuntimeFailure("no daemon is running; start one with `spotctl daemon` "
+                                     "(or `spotctl up` starts it)")
             url = start_daemon_in_background()
         return cls(url)
 
@@ -31,13 +34,15 @@ class DaemonClient:
         try:
             r = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as err:
-            raise UserError(f"daemon at {self.url} unreachable: {err}") from None
+            raise RuntimeFailure(f"daemon at {self.url} unreachable: {err}") from None
         if r.status_code >= 400:
             try:
                 detail = r.json().get("detail", r.text)
             except ValueError:
                 detail = r.text
-            raise UserError(str(detail) if r.status_code < 500 else f"daemon error ({r.status_code}): {detail}")
+            if r.status_code >= 500:  # the daemon failed, not the input
+                raise RuntimeFailure(f"daemon error ({r.status_code}): {detail}")
+            raise UserError(str(detail))
         return r.json() if r.content else None
 
     def get(self, path: str, **kw: Any) -> Any:

@@ -12,8 +12,10 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.cli.client import DaemonClient
+from orchestrator.cli.wait import wait_ready
+from orchestrator.control.tls import service_tls
 from orchestrator.control.discovery import DEFAULT_PORT, DaemonStartFailed
-from orchestrator.common.errors import UserError
+from orchestrator.common.errors import RuntimeFailure, UserError
 
 # A pipe (no terminal) gets whole tables, not 80 columns of wrapped cells.
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -42,7 +44,8 @@ def up(
     name: str = typer.Option(None, "--name", "-n", help="Service name (default: the YAML's `name` or file stem)."),
     env: list[str] = typer.Option([], "--env", help="K=V for the spec's `envs` (K alone: from this environment)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the replicas it would launch; launch nothing."),
-    wait: bool = typer.Option(False, "--wait", help="Wait until the service has a READY replica."),
+    wait: bool = typer.Option(False, "--wait", help="Show each replica's progress until one is READY "
+                                                     "(exit 1 at once if the service FAILED)."),
     timeout: float = typer.Option(900, "--timeout", help="Seconds to wait with --wait."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
@@ -52,6 +55,7 @@ def up(
     if not spec_file.exists():
         raise UserError(f"{spec_file}: no such file")
     spec = load_spec(spec_file)  # validate here too: errors without a round trip
+    service_tls(spec)  # missing or unreadable TLS files: one line, before the daemon starts
     envs = env_values(env, spec.task.get("envs") or {})
     if dry_run:
         _dry_run(spec, as_json)
@@ -60,7 +64,7 @@ def up(
     result = client.post("/v1/services", json={"yaml": spec_file.read_text(), "name": name or spec.name,
                                                "envs": envs})
     if wait:
-        _wait_ready(client, result["name"], timeout, quiet=as_json)
+        wait_ready(client, result["name"], timeout, console, quiet=as_json)
     if as_json:
         typer.echo(json.dumps(result))
         return
@@ -120,25 +124,6 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f}s old"
 
 
-def _wait_ready(client: DaemonClient, name: str, timeout: float, quiet: bool) -> None:
-    deadline = time.monotonic() + timeout
-    with console.status(f"waiting for {name} to become READY", spinner="dots") if not quiet else _null():
-        while time.monotonic() < deadline:
-            svc = client.get(f"/v1/services/{name}")
-            if svc["replicas_ready"] >= 1 and svc["status"] == "READY":
-                return
-            time.sleep(2)
-    raise UserError(f"service {name} not READY after {timeout:.0f}s (see `spotctl status` and `spotctl logs {name}`)")
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
 def status(
     service: str = typer.Argument(None, help="Only this service."),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Add policy and resources."),
@@ -184,35 +169,60 @@ def status(
 
 
 def logs(
-    service: str = typer.Argument(..., help="Service name."),
+    service: str = typer.Argument(None, help="Service name."),
     replica: str = typer.Argument(None, help="Replica id (default: every replica)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines."),
-    lines: int = typer.Option(50, "--lines", "-n", help="Lines of history per replica."),
+    lines: int = typer.Option(50, "--lines", "-n", min=0, help="Lines of history per log."),
+    daemon_log: bool = typer.Option(False, "--daemon", help="The daemon's own log."),
+    lb_log: bool = typer.Option(False, "--lb", help="The load balancer's log (of SERVICE when it has its own)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line: {source, line}."),
 ) -> None:
-    """Print a service's replica logs."""
-    client = DaemonClient.connect(start=True)
-    entries = client.get(f"/v1/services/{service}/logs")["replicas"]
-    if replica:
-        entries = [e for e in entries if e["replica_id"] == replica]
-        if not entries:
-            raise UserError(f"service {service} has no replica {replica!r}")
-    paths = [(e["replica_id"], Path(e["log_path"])) for e in entries if e["log_path"] and Path(e["log_path"]).exists()]
-    if not paths:
-        raise UserError(f"no logs for {replica or service} on this machine")
+    """Print a service's replica logs, or the daemon's (--daemon) or load balancer's (--lb)."""
+    from orchestrator.common import logsetup
+
+    if daemon_log and lb_log:
+        raise UserError("give --daemon or --lb, not both")
+    if daemon_log or lb_log:
+        if replica:
+            raise UserError("a replica id goes with a service's replica logs, not --daemon / --lb")
+        source, path = ("daemon", logsetup.daemon_log()) if daemon_log else ("lb", logsetup.lb_log(service))
+        if not path.exists():
+            raise RuntimeFailure(f"no {source} log at {path} yet")
+        paths = [(source, path)]
+    else:
+        if not service:
+            raise UserError("name a service (or pass --daemon or --lb)")
+        client = DaemonClient.connect(start=True)
+        entries = client.get(f"/v1/services/{service}/logs")["replicas"]
+        if replica:
+            entries = [e for e in entries if e["replica_id"] == replica]
+            if not entries:
+                raise UserError(f"service {service} has no replica {replica!r}")
+        paths = [(e["replica_id"], Path(e["log_path"])) for e in entries
+                 if e["log_path"] and Path(e["log_path"]).exists()]
+        if not paths:
+            raise RuntimeFailure(f"no logs for {replica or service} on this machine")
     prefix = len(paths) > 1
+
+    def emit(source: str, line: str) -> None:
+        if as_json:
+            typer.echo(json.dumps({"source": source, "line": line.rstrip("\n")}))
+        else:
+            typer.echo(f"({source}) {line}" if prefix else line, nl=False)
+
     handles = []
-    for rid, path in paths:
+    for source, path in paths:
         f = path.open("r", errors="replace")
-        for line in f.readlines()[-lines:]:
-            typer.echo(f"({rid}) {line}" if prefix else line, nl=False)
-        handles.append((rid, f))
+        for line in f.readlines()[-lines:] if lines else []:
+            emit(source, line)
+        handles.append((source, f))
     while follow:
         idle = True
-        for rid, f in handles:
+        for source, f in handles:
             line = f.readline()
             while line:
                 idle = False
-                typer.echo(f"({rid}) {line}" if prefix else line, nl=False)
+                emit(source, line)
                 line = f.readline()
         if idle:
             time.sleep(0.3)
@@ -223,10 +233,12 @@ def down(
     all_services: bool = typer.Option(False, "--all", "-a", help="Tear down every service (and orphan machines)."),
     orphans: bool = typer.Option(False, "--orphans", help="With --all: also every managed machine of the clouds "
                                  "this state used, whatever the state database says (recovers a lost one)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until every replica is gone."),
     timeout: float = typer.Option(120, "--timeout"),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Tear down services: every replica process/instance is terminated."""
+    """Tear down services: every replica process/instance is terminated (asks first unless -y)."""
     if not services and not all_services:
         raise UserError("name a service, or pass --all")
     if orphans and not all_services:
@@ -239,6 +251,14 @@ def down(
         _terminate_every_machine(wait, timeout)  # no daemon can start (a lost state): the clouds directly
         return
     names = [s["name"] for s in client.get("/v1/services")] if all_services else list(services)
+    for name in names if not all_services else ():
+        client.get(f"/v1/services/{name}")  # an unknown name: a one-line 404 before anything is asked
+    if names and not yes:
+        if not sys.stdin.isatty():
+            raise UserError(f"down: not tearing down {', '.join(names)} without confirmation; pass -y "
+                            "(no terminal to ask on)")
+        if not typer.confirm(f"Tear down {', '.join(names)} and terminate every replica?", default=False):
+            raise RuntimeFailure("down: not confirmed; nothing was torn down")
     for name in names:
         client.delete(f"/v1/services/{name}")
     deadline = time.monotonic() + timeout
@@ -249,16 +269,20 @@ def down(
         if pending:
             time.sleep(0.5)
     if wait and pending:
-        raise UserError(f"still shutting down after {timeout:.0f}s: {', '.join(sorted(pending))}")
+        raise RuntimeFailure(f"still shutting down after {timeout:.0f}s: {', '.join(sorted(pending))}")
+    state = "down" if wait else "shutting down"
+    if as_json:
+        typer.echo(json.dumps([{"name": name, "status": state} for name in names]))
+        return
     for name in names:
-        console.print(f"service {name}: {'down' if wait else 'shutting down'}")
+        console.print(f"service {name}: {state}")
     if all_services:  # machines no service owns (a lost or restored state, a crash): now, not after the grace
         found = client.delete("/v1/orphans")
         while wait and found and time.monotonic() < deadline:
             time.sleep(0.5)
             found = client.delete("/v1/orphans")
         if wait and found:
-            raise UserError(f"{len(found)} orphan machine(s) still running after {timeout:.0f}s")
+            raise RuntimeFailure(f"{len(found)} orphan machine(s) still running after {timeout:.0f}s")
         if found or not names:
             console.print(f"orphan machines: {len(found)} left" if found else "no orphan machines")
 
@@ -286,7 +310,7 @@ def _terminate_every_machine(wait: bool, timeout: float) -> None:
     for p in providers.values():
         p.close()
     if wait and left:
-        raise UserError(f"{len(left)} machine(s) still running after {timeout:.0f}s")
+        raise RuntimeFailure(f"{len(left)} machine(s) still running after {timeout:.0f}s")
     console.print(f"terminated {len(machines)} managed machine(s) on {', '.join(clouds) or 'no cloud'} "
                   "(the daemon could not start); move an unreadable state database aside before `spotctl up`")
 
@@ -337,11 +361,15 @@ def daemon(
                              help="API port (0 = any free port)."),
     public_url: str = typer.Option(None, "--public-url",
                                    help="The URL replica VMs reach the daemon at (or $SPOT_ORCHESTRATOR_PUBLIC_URL)."),
+    tls_certfile: str = typer.Option(None, "--tls-certfile", help="The API's certificate (needed beyond loopback; "
+                                     "or $SPOT_ORCHESTRATOR_API_CERTFILE)."),
+    tls_keyfile: str = typer.Option(None, "--tls-keyfile", help="Its key (or $SPOT_ORCHESTRATOR_API_KEYFILE)."),
+    plain_http: bool = typer.Option(False, "--plain-http", help="Beyond loopback without TLS (a TLS proxy in front)."),
 ) -> None:
     """Run the control plane in the foreground (jobs + HTTP API)."""
     from orchestrator.control.daemon import serve
 
-    serve(host, port, public_url)
+    serve(host, port, public_url, tls_certfile, tls_keyfile, plain_http)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,4 +1,5 @@
-"""User-facing errors: one line that names what was wrong; the CLI prints it and exits 2."""
+"""User-facing errors: one line that names what was wrong; the CLI prints it and exits with the
+error's code (2: bad input or usage, 1: a runtime failure)."""
 
 from __future__ import annotations
 
@@ -10,3 +11,10 @@ class UserError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))  # never more than one line
+
+
+class RuntimeFailure(UserError):
+    """The input was fine but the operation failed (daemon unreachable, a wait that timed out, a
+    service that FAILED, a daemon-side error): one line, exit code 1."""
+
+    exit_code = 1

@@ -66,6 +66,9 @@ DEFAULT_FAILURE_TIMEOUT_S = 180.0
 DRAIN_OVERRUN_S = 10.0
 # Consecutive failed probes before a READY replica counts as NOT_READY (and gets covered).
 NOT_READY_AFTER_FAILURES = 2
+# A service that was never READY is FAILED after this many of its replicas failed on their own.
+FAILED_SERVICE_AFTER = 3
+ENGINE_FAILURES = frozenset({ReplicaState.FAILED, ReplicaState.FAILED_INITIAL_DELAY, ReplicaState.FAILED_PROBING})
 MARKET_EVENT_KINDS = {k.value for k in EventKind}
 
 # Launches sent to a cloud and not yet recorded, per (store, service), shared by every
@@ -111,6 +114,7 @@ class Controller:
         self._inline = inline_cloud_calls
         self._terminating: set[str] = set()  # instance ids with a terminate call in flight
         self._pass = threading.Lock()  # one reconcile pass at a time
+        self._since = clock()  # failures before this controller (an older spec) do not count
         spec = self.spec()
         self.policy = policy or load_policy(spec.service.placement_policy)
         self._replay_market_events()
@@ -192,7 +196,8 @@ class Controller:
             with self._lock:
                 spec = self.spec()
                 self._enforce_drain_deadlines()
-                launches = self._apply_policy(spec)
+                # A FAILED service launches nothing more until a new spec (each launch would fail too).
+                launches = self._apply_policy(spec) if svc.status != ServiceStatus.FAILED else []
                 self._advance_shutdowns(instances)
                 self._update_service_status()
                 self.publish_upstreams()
@@ -554,6 +559,8 @@ class Controller:
         ready = sum(1 for r in replicas if r.replica_state is S.READY)
         if ready:
             status = ServiceStatus.READY
+        elif svc.status == ServiceStatus.FAILED or self._engine_keeps_failing(svc):
+            status = ServiceStatus.FAILED  # until `spotctl up` brings a new spec
         elif svc.status in (ServiceStatus.READY, ServiceStatus.NO_REPLICA):
             status = ServiceStatus.NO_REPLICA
         elif replicas:
@@ -562,6 +569,15 @@ class Controller:
             status = svc.status
         if status != svc.status:
             self.store.update_service(self.service, status=status)
+
+    def _engine_keeps_failing(self, svc) -> bool:
+        """Never READY under this spec, and FAILED_SERVICE_AFTER of its replicas failed on their
+        own (the engine exited or never got ready: the spec's fault, which a relaunch repeats)."""
+        if svc.status not in (ServiceStatus.PENDING, ServiceStatus.REPLICA_INIT):
+            return False
+        failed = [r for r in self.store.list_replicas(self.service, include_terminal=True)
+                  if r.replica_state in ENGINE_FAILURES and r.created_at >= self._since]
+        return len(failed) >= FAILED_SERVICE_AFTER
 
     def _set_state(self, r: ReplicaRow, state: ReplicaState, reason: str, **fields) -> ReplicaRow:
         return self.store.update_replica(r.replica_id, r.version, reason=reason, state=state.value, **fields)

@@ -35,9 +35,9 @@ from apscheduler.executors.pool import ThreadPoolExecutor as APThreadPool
 from apscheduler.schedulers.background import BackgroundScheduler
 
 
-from orchestrator.control import auth, discovery, orphans
+from orchestrator.control import auth, discovery, orphans, tls
 
-from orchestrator.common import paths
+from orchestrator.common import logsetup, paths
 from orchestrator.control.controller import Controller
 from orchestrator.common.errors import UserError
 from orchestrator.lb.proxy import LoadBalancer
@@ -185,7 +185,8 @@ class Daemon:
             if existing is not None and existing.status == ServiceStatus.SHUTTING_DOWN:
                 raise UserError(f"service {spec.name!r} is shutting down; wait for `spotctl down` to finish")
             port = (existing.lb_port if existing else None) or spec.service.ports or free_port(self.host)
-            endpoint = f"http://{self.host}:{port}"
+            scheme = "https" if tls.service_tls(spec) else "http"  # missing or bad TLS files: refused here
+            endpoint = f"{scheme}://{self.host}:{port}"
             for cloud in clouds:
                 if self.provider(cloud).runtime().on_this_host:
                     continue
@@ -196,7 +197,10 @@ class Daemon:
                     raise UserError(f"resources.cloud {cloud}: setting up the service's network failed: {err}") \
                         from None
             orphans.remember_clouds(clouds)  # before any launch: a lost database still says where to look
-            self.store.create_or_update_service(spec.name, spec.to_json(), endpoint=endpoint, lb_port=port)
+            # A new spec gives a FAILED service a fresh start.
+            fresh = ServiceStatus.PENDING if existing is not None and existing.status == ServiceStatus.FAILED else None
+            self.store.create_or_update_service(spec.name, spec.to_json(), status=fresh, endpoint=endpoint,
+                                                lb_port=port)
             if spec.name in self.controllers:  # an update: new spec, same fleet
                 self.controllers[spec.name].close()
                 del self.controllers[spec.name]
@@ -210,9 +214,13 @@ class Daemon:
         spec = spec_from_json(row.spec_json)
         clouds = self.spec_clouds(spec)
         lb = self.lbs.get(name)
+        cert = tls.service_tls(spec)
+        if lb is not None and lb.url.startswith("https") != bool(cert):  # TLS switched on or off
+            self.lbs.pop(name).stop()
+            lb = None
         if lb is None:
             lb = LoadBalancer(policy=spec.service.load_balancing_policy)
-            lb.start(self.host, row.lb_port)
+            lb.start(self.host, row.lb_port, (cert.certfile, cert.keyfile) if cert else None)
             self.lbs[name] = lb
         controller = Controller(
             name,
@@ -368,14 +376,18 @@ class Daemon:
 class DaemonServer:
     """The daemon's API server plus its jobs; `run()` in the foreground, or a thread (tests)."""
 
-    def __init__(self, daemon: Daemon, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, daemon: Daemon, host: str = "127.0.0.1", port: int = 0, cert: tls.CertPair | None = None):
         from orchestrator.control.api import create_app
         from orchestrator.control.gate import server_config
 
         self.daemon = daemon
+        self.cert = cert
         port = port or free_port(host)
-        daemon.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(server_config(create_app(daemon), host, port))
+        daemon.url = f"{'https' if cert else 'http'}://{host}:{port}"
+        config = server_config(create_app(daemon), host, port)
+        if cert is not None:
+            config.ssl_certfile, config.ssl_keyfile = cert.certfile, cert.keyfile
+        self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     def _on_started(self) -> None:
@@ -383,7 +395,7 @@ class DaemonServer:
             if self.server.should_exit:
                 return
             time.sleep(0.05)
-        discovery.write_daemon_info(self.daemon.url)
+        discovery.write_daemon_info(self.daemon.url, self.cert.certfile if self.cert else None)
         self.daemon.restore_services()
         self.daemon.start_jobs()
         log.info("daemon listening on %s (state in %s)", self.daemon.url, paths.home())
@@ -444,14 +456,15 @@ def hold_state_lock():
     return fh
 
 
-def serve(host: str = "127.0.0.1", port: int = discovery.DEFAULT_PORT, public_url: str | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+def serve(host: str = "127.0.0.1", port: int = discovery.DEFAULT_PORT, public_url: str | None = None,
+          certfile: str | None = None, keyfile: str | None = None, plain_http: bool = False) -> None:
+    cert = tls.api_tls(host, certfile, keyfile, plain_http)  # before anything starts
+    logsetup.configure_daemon()  # level: SPOT_ORCHESTRATOR_LOG_LEVEL (`spotctl --log-level`)
     lock = hold_state_lock()  # noqa: F841 - held for the life of the process
     store = orphans.open_store()
     daemon = Daemon(store=store, host=host, public_url=public_url)
     orphans.check_state(store, daemon.provider)
-    server = DaemonServer(daemon, host, port)
+    server = DaemonServer(daemon, host, port, cert)
     signal.signal(signal.SIGTERM, lambda *_: setattr(server.server, "should_exit", True))
     server.run()
 
@@ -461,9 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=discovery.DEFAULT_PORT)
     parser.add_argument("--public-url", help=f"the URL replica VMs reach the daemon at (or ${PUBLIC_URL_ENV})")
+    parser.add_argument("--tls-certfile", help=f"the API's certificate (or ${tls.CERTFILE_ENV})")
+    parser.add_argument("--tls-keyfile", help=f"its key (or ${tls.KEYFILE_ENV})")
+    parser.add_argument("--plain-http", action="store_true", help="beyond loopback without TLS (a TLS proxy)")
     opts = parser.parse_args(argv)
     try:
-        serve(opts.host, opts.port, opts.public_url)
+        serve(opts.host, opts.port, opts.public_url, opts.tls_certfile, opts.tls_keyfile, opts.plain_http)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code

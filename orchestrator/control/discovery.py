@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -19,12 +20,12 @@ from typing import Any
 import httpx
 
 from orchestrator.common import paths, procs
-from orchestrator.common.errors import UserError
+from orchestrator.common.errors import RuntimeFailure
+from orchestrator.control import tls
 
-class DaemonStartFailed(UserError):
+
+class DaemonStartFailed(RuntimeFailure):
     """The daemon spotctl started exited with an error (e.g. a lost state database)."""
-
-    exit_code = 1
 
 
 # 0 = any free port (tests run several daemons side by side).
@@ -66,7 +67,7 @@ def running_daemon_url() -> str | None:
     if not info or not procs.pid_alive(int(info.get("pid", 0))):
         return None
     try:
-        r = httpx.get(f"{info['url']}/v1/health", timeout=2.0)
+        r = httpx.get(f"{info['url']}/v1/health", timeout=2.0, verify=tls.client_context(info.get("cafile")))
         return info["url"] if r.status_code == 200 else None
     except httpx.TimeoutException:
         # Its process is alive and its port did not refuse: a daemon busy for a moment on a
@@ -95,7 +96,7 @@ def start_daemon_in_background(port: int | None = None, wait_s: float = 60.0) ->
         if proc.poll() is not None and not lock_held():
             raise DaemonStartFailed(_last_error(log, start) or f"the daemon exited ({proc.returncode}); see {log}")
         time.sleep(0.2)
-    raise UserError(f"the daemon did not start within {wait_s:.0f}s; see {log}")
+    raise RuntimeFailure(f"the daemon did not start within {wait_s:.0f}s; see {log}")
 
 
 def _last_error(log: Path, start: int) -> str | None:
@@ -106,8 +107,21 @@ def _last_error(log: Path, start: int) -> str | None:
     return errors[-1] if errors else None
 
 
-def write_daemon_info(url: str) -> None:
+def local_url(url: str) -> str:
+    """The URL this machine's CLI uses: a daemon bound to every address is reached on loopback."""
+    return url.replace("://0.0.0.0:", "://127.0.0.1:").replace("://[::]:", "://[::1]:")
+
+
+def verify() -> ssl.SSLContext | bool:
+    """How to verify the running daemon's TLS certificate (the one it recorded)."""
+    info = read_daemon_info() or {}
+    return tls.client_context(info.get("cafile"))
+
+
+def write_daemon_info(url: str, cafile: str | None = None) -> None:
+    """`cafile`: the API's certificate, which the CLI trusts for this daemon."""
     path = daemon_info_path()
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "url": url, "started_at": time.time()}))
+    tmp.write_text(json.dumps({"pid": os.getpid(), "url": local_url(url), "cafile": cafile,
+                               "started_at": time.time()}))
     os.replace(tmp, path)

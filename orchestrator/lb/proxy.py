@@ -263,9 +263,10 @@ class LoadBalancer:
         return MigrationResult(replica_id, len(handles), resumed, len(handles) - resumed, ids)
 
     # -- running it -----------------------------------------------------------------------------
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Serve in a background thread (its own event loop); returns the port. Raises UserError
-        when it cannot listen on host:port, RuntimeError when it already runs or did not start."""
+    def start(self, host: str = "127.0.0.1", port: int = 0, tls: tuple[str, str] | None = None) -> int:
+        """Serve in a background thread (its own event loop); returns the port. `tls`
+        (certfile, keyfile): serve HTTPS. Raises UserError when it cannot listen on host:port,
+        RuntimeError when it already runs or did not start."""
         if self._thread is not None:
             raise RuntimeError("the load balancer is already running")
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -281,7 +282,8 @@ class LoadBalancer:
                                 http=lb_limits.protocol_class(self.guard, CoalescingHTTPProtocol), interface="asgi3",
                                 proxy_headers=False, ws="none", timeout_graceful_shutdown=5,
                                 timeout_keep_alive=max(1, round(self.limits.idle_timeout_s)),
-                                backlog=min(4096, self.limits.max_connections))
+                                backlog=min(4096, self.limits.max_connections),
+                                ssl_certfile=tls[0] if tls else None, ssl_keyfile=tls[1] if tls else None)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, args=(sock,), name=f"lb-{port}", daemon=True)
         self._thread.start()
@@ -290,7 +292,8 @@ class LoadBalancer:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"load balancer on {host}:{port} did not start")
             time.sleep(0.01)
-        self.url = f"http://{host}:{port}"
+        self.url = f"{'https' if tls else 'http'}://{host}:{port}"
+        log.info("load balancer listening on %s (policy %s)", self.url, self.policy)
         return port
 
     def stop(self) -> None:

@@ -36,5 +36,5 @@ def test_status_logs_events_and_down_through_the_cli(daemon, tmp_path):  # noqa:
                          for r in client.get("/v1/services/svc").json()["replicas"]), 30, "svc-1 PREEMPTED")
     assert "PREEMPTED" in spotctl("status", "svc", timeout=120, env={"COLUMNS": "250"}).stdout
 
-    spotctl("down", "svc", "--timeout", "60", timeout=120)
+    spotctl("down", "svc", "-y", "--timeout", "60", timeout=120)
     assert client.get("/v1/services/svc").status_code == 404

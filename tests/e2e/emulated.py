@@ -191,7 +191,7 @@ def walk(emulator, template: Path, tmp_path: Path, grace_s: float = 90.0, clouds
     finally:
         print(spotctl("events", name, "--limit", "300", check=False).stdout)
         print(emulator.runner.logs())
-        spotctl("down", name, "--timeout", "600", check=False)
+        spotctl("down", name, "-y", "--timeout", "600", check=False)
     try:
         left = emulator.leftovers(name)
         assert not any(left.values()), f"the cloud still holds things of {name} after down: {left}"

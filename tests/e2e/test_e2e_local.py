@@ -126,12 +126,12 @@ def test_service_end_to_end(tmp_path, state_home, replica_runtime):
         assert states[victim["replica_id"]] in ("PREEMPTED", "FAILED")
 
         all_pids = _instance_pids(state_home)
-        spotctl("down", "e2e", "--timeout", "120")
+        spotctl("down", "e2e", "-y", "--timeout", "120")
         leftovers = [pid for pid in all_pids.values() if alive(pid)]
         assert not leftovers, f"processes left behind after down: {leftovers}"
     finally:
         print(spotctl("events", "--limit", "200", check=False).stdout)  # shown when the test fails
-        spotctl("down", "--all", "--timeout", "60", check=False)
+        spotctl("down", "--all", "-y", "--timeout", "60", check=False)
         info = state_home / "daemon.json"
         if info.exists():
             try:
