@@ -202,8 +202,12 @@ class AzureProvider(Provider):
                      f"and armRegionName eq '{region}' and ({sku_filter})")
             try:
                 out.extend(self._region_offers(region, query))
-            except TransientError as err:  # live prices are a bonus: the catalog still answers
-                log.warning("azure retail prices for %s: %s; using the catalog's prices", region, err)
+            except TransientError as err:
+                # An API that cannot be reached at all (no route out, a proxy): the catalog's
+                # prices stand in. A throttled one is raised, so the price book cools it down.
+                if not isinstance(err.__cause__, requests.ConnectionError | requests.Timeout):
+                    raise
+                log.warning("azure retail prices for %s unreachable: %s; using the catalog's prices", region, err)
                 out.extend(o for o in catalog_offers("azure", accelerator, count) if o.location.region == region)
         return out
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, moto_session
+from tests.helpers import free_port, moto_session, stop_autostarted_daemon
 
 REPO = Path(__file__).resolve().parent.parent
 REPLICA_PYTHON = REPO / ".venv-replica" / "bin" / "python"
@@ -76,14 +76,17 @@ def tiny_model(replica_runtime, models_dir) -> Path:
 
 
 @pytest.fixture
-def state_home(tmp_path, monkeypatch, models_dir) -> Path:
+def state_home(tmp_path, monkeypatch, models_dir):
     """An isolated SPOT_ORCHESTRATOR_HOME (and daemon port) for one test."""
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("SPOT_ORCHESTRATOR_HOME", str(home))
     monkeypatch.setenv("SPOT_ORCHESTRATOR_DAEMON_PORT", str(free_port()))
     monkeypatch.setenv("SPOT_ORCHESTRATOR_MODELS", str(models_dir))
-    return home
+    yield home
+    # Every spotctl verb starts a daemon when none runs: one a test started that way is
+    # stopped here, not left running after the test.
+    stop_autostarted_daemon()
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,26 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] not in "ZX"
 
 
+def stop_autostarted_daemon(grace_s: float = 15.0) -> None:
+    """Stop the daemon a spotctl verb started in this test's SPOT_ORCHESTRATOR_HOME, if any
+    (SIGTERM, then SIGKILL after `grace_s`)."""
+    import signal
+
+    from orchestrator.control.discovery import read_daemon_info
+
+    info = read_daemon_info()
+    pid = int((info or {}).get("pid", 0))
+    if pid <= 0 or pid == os.getpid() or not alive(pid):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
 def moto_session(region: str = "us-east-1"):
     """A boto3 session with the fake credentials moto accepts."""
     import boto3  # here, not at the top: conftest imports this module for every test

@@ -143,11 +143,11 @@ class Bench:
 
     def op_down(self) -> None:
         self.up_wanted = False
-        self.step("down", SERVICE, "--no-wait", done_if="no service named")
+        self.step("down", SERVICE, "-y", "--no-wait", done_if="no service named")
 
     def op_down_up(self) -> None:
         self.up_wanted = False
-        self.step("down", SERVICE, "--timeout", "60", done_if="no service named")
+        self.step("down", SERVICE, "-y", "--timeout", "60", done_if="no service named")
         self.op_up()
 
     def pick(self) -> callable:
@@ -289,7 +289,7 @@ class Bench:
     def finish(self) -> None:
         """Down everything and look for whatever outlived it."""
         self.up_wanted = False
-        self.step("down", "--all", "--timeout", "120")
+        self.step("down", "--all", "-y", "--timeout", "120")
         self.converge()
         stray = _replica_processes(self.home)
         self.result["leaked"] += len(stray)

@@ -14,7 +14,7 @@ import pytest
 from orchestrator.control.launch import ReplicaLauncher
 from providers.base import LaunchRequest
 from tests.control.test_daemon import SPEC, FakeEngineLauncher, ready
-from tests.helpers import REPO, running_daemon, spotctl, wait_for
+from tests.helpers import REPO, alive, running_daemon, spotctl, wait_for
 
 
 @pytest.fixture
@@ -29,9 +29,17 @@ def one_line(proc) -> str:
     return lines[0]
 
 
-def test_runtime_failures_exit_1_and_input_errors_exit_2(state_home, tmp_path):
-    proc = spotctl("status", check=False, timeout=120)
-    assert proc.returncode == 1 and "no daemon is running" in one_line(proc)  # a runtime failure
+def test_a_verb_starts_the_daemon_once_and_input_errors_exit_2(state_home, tmp_path):
+    from orchestrator.control.discovery import read_daemon_info
+
+    # No daemon: the verb starts one in the background and answers; the next verb reuses it.
+    # (A daemon that cannot start is the runtime failure, exit 1: tests/cli/test_cli.py.)
+    proc = spotctl("status", timeout=120)
+    assert "no services" in proc.stdout
+    first = read_daemon_info()
+    assert first and alive(int(first["pid"]))
+    spotctl("status", timeout=120)
+    assert read_daemon_info()["pid"] == first["pid"]
     proc = spotctl("--log-level", "loud", "status", check=False, timeout=120)
     assert proc.returncode == 2 and "--log-level" in one_line(proc)
     proc = spotctl("logs", check=False, timeout=120)

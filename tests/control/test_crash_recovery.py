@@ -142,7 +142,7 @@ def test_down_all_terminates_orphans_at_once(state_home, monkeypatch):
         ghost = cloud.launch(stray_request("ghost", "ghost-1", "abcd"))
         cloud.close()
         env = {"SPOT_ORCHESTRATOR_HOME": str(state_home)}
-        out = spotctl("down", "--all", env=env, timeout=120)
+        out = spotctl("down", "--all", "-y", env=env, timeout=120)
         assert "no orphan machines" in out.stdout or "orphan" in out.stdout
         assert ghost.instance_id not in {i.instance_id for i in live_instances()}
 
@@ -166,7 +166,7 @@ def test_a_lost_state_database_is_an_error_with_the_way_out(state_home, monkeypa
     assert "\n" not in line and "state database" in line and "spotctl down --all --orphans" in line
     assert "Traceback" not in out.stderr
 
-    out = spotctl("down", "--all", "--orphans", env=env, timeout=120)
+    out = spotctl("down", "--all", "--orphans", "-y", env=env, timeout=120)
     assert "terminated" in out.stdout
     assert not live_instances()
     for m in machines:

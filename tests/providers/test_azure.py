@@ -235,6 +235,20 @@ def test_retail_prices_throttling_is_retried():
     assert [o.price_per_hour for o in offers] == [0.15] and len(sleeps) == 2
 
 
+def test_unreachable_retail_prices_fall_back_to_the_catalog_and_throttling_is_raised():
+    from tests.helpers import free_port
+
+    closed = f"http://127.0.0.1:{free_port()}/p"  # nothing listens: the API cannot be reached
+    offers = AzureProvider(SUB, RG, ["eastus"], prices_url=closed, sleep=lambda s: None, attempts=2).offers("T4", 1)
+    assert offers and {o.location.region for o in offers} == {"eastus"}
+    assert {o.source for o in offers} != {"live"} and {o.market for o in offers} == {Market.SPOT, Market.ON_DEMAND}
+    with serve(lambda req: (429, {"error": "Too many requests"})) as server:
+        throttled = AzureProvider(SUB, RG, ["eastus"], prices_url=f"{server.url}/p", sleep=lambda s: None,
+                                  attempts=2)
+        with pytest.raises(TransientError):
+            throttled.offers("T4", 1)
+
+
 def test_vm_names_are_valid():
     name = vm_name(_request("R_1.x" * 20))
     assert re.fullmatch(r"[A-Za-z0-9-]{1,64}", name) and not name.endswith("-")
