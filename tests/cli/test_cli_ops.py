@@ -46,8 +46,15 @@ def test_a_verb_starts_the_daemon_once_and_input_errors_exit_2(state_home, tmp_p
     assert proc.returncode == 2 and "name a service" in one_line(proc)
 
 
-def test_up_wait_shows_replica_progress_and_down_asks_first(daemon, tmp_path):
-    _, client = daemon
+@pytest.fixture
+def slow_daemon(state_home, monkeypatch):
+    """Replicas that take 3 s to become healthy, so `up --wait` sees them on their way."""
+    with running_daemon(monkeypatch, launcher=FakeEngineLauncher(ready_after=3.0)) as running:
+        yield running
+
+
+def test_up_wait_shows_replica_progress_and_down_asks_first(slow_daemon, tmp_path):
+    _, client = slow_daemon
     spec = tmp_path / "svc.yaml"
     spec.write_text(SPEC)
     proc = spotctl("up", str(spec), "--wait", "--timeout", "120", timeout=180, env={"COLUMNS": "200"})

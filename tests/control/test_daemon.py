@@ -42,11 +42,18 @@ kv:
 
 
 class FakeEngineLauncher(ReplicaLauncher):
+    """Replicas that run the stand-in engine; `ready_after` seconds before its health answers."""
+
+    def __init__(self, ready_after: float = 0.0):
+        super().__init__()
+        self.ready_after = ready_after
+
     def request(self, spec, row, offer, runtime) -> LaunchRequest:
         return LaunchRequest(
             service=spec.name, replica_id=row.replica_id, location=offer.location, market=offer.market,
             instance_type="",
-            command=[sys.executable, str(FAKE_ENGINE), "--port", "{port}", "--name", spec.name],
+            command=[sys.executable, str(FAKE_ENGINE), "--port", "{port}", "--name", spec.name,
+                     "--ready-after", str(self.ready_after)],
         )
 
 
