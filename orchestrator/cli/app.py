@@ -39,6 +39,7 @@ COMMAND_MODULES = [
     "service",
     "prices",
     "simulate",
+    "db",
 ]
 
 for _name in COMMAND_MODULES:

@@ -9,7 +9,8 @@ store itself, a method runs in a transaction of its own. Returned rows are detac
 objects: plain values to read; changing an attribute writes nothing (use the update_* methods).
 `update_replica(id, expected_version, **fields)` raises ConflictError when another writer got
 there first, and IllegalTransition for a state change orchestrator.fleet.lifecycle does not allow
-(an allowed one is recorded as a "transition" event in the same transaction).
+(an allowed one is recorded as a "transition" event in the same transaction). Store() brings the
+database's schema up to this code's first (orchestrator.control.migrations).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from sqlalchemy.pool import StaticPool
 from sqlmodel import Field, Session, SQLModel, col, create_engine, delete, select
 
 from orchestrator.common import paths
+from orchestrator.control import migrations
 from orchestrator.fleet.lifecycle import TERMINAL_STATES, ReplicaState, transition
 from providers.base import Location, Market, Offer
 
@@ -566,7 +568,9 @@ def default_url() -> str:
     return os.environ.get(DB_URL_ENV) or f"sqlite:///{paths.home() / 'state.db'}"
 
 
-def _make_engine(url: str) -> Engine:
+def make_engine(url: str) -> Engine:
+    """The engine for a database URL (SQLite: WAL, busy timeout, foreign keys, BEGIN IMMEDIATE).
+    Store() and orchestrator.control.migrations' env.py use it."""
     if not url.startswith("sqlite"):
         return create_engine(url, pool_pre_ping=True)
     memory = url in ("sqlite://", "sqlite:///:memory:")
@@ -601,23 +605,6 @@ def _make_engine(url: str) -> Engine:
     return engine
 
 
-# Columns added to existing tables after their first release, with the SQL default that an
-# existing row gets: create_all makes missing tables, never missing columns.
-_ADDED_COLUMNS = {"services": {"incarnation": "''"}}
-
-
-def _add_missing_columns(engine: Engine) -> None:
-    from sqlalchemy import inspect, text
-
-    inspector = inspect(engine)
-    for table, columns in _ADDED_COLUMNS.items():
-        have = {c["name"] for c in inspector.get_columns(table)}
-        for name, default in columns.items():
-            if name not in have:
-                with engine.begin() as conn:
-                    conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} VARCHAR NOT NULL DEFAULT {default}"))
-
-
 class Tx(_Ops):
     """One open transaction: every Store operation, all committed together or not at all."""
 
@@ -633,11 +620,15 @@ class Store(_Ops):
     """The state store. Safe to share between threads (a session per call)."""
 
     def __init__(self, url: str | None = None):
+        """Open the database and upgrade its schema to this code's (migrations.upgrade)."""
         self.url = url or default_url()
-        self.engine = _make_engine(self.url)
+        self.engine = make_engine(self.url)
         self._local = threading.local()
-        SQLModel.metadata.create_all(self.engine)
-        _add_missing_columns(self.engine)
+        try:
+            migrations.upgrade(self.engine)  # SchemaTooNew for a database of a newer version
+        except BaseException:
+            self.engine.dispose()
+            raise
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Tx]:

@@ -1,0 +1,1 @@
+"""The state store's revisions, oldest first (0001 is the first schema shipped)."""
