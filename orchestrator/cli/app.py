@@ -37,6 +37,7 @@ def _global(
 # One line per verb group; a group's module owns its commands.
 COMMAND_MODULES = [
     "service",
+    "cost",
     "prices",
     "simulate",
     "db",

@@ -12,6 +12,7 @@ Routes (JSON in and out; errors are {"detail": "<one line>"}):
     GET    /v1/services/{name}/stores   the KV shard stores of the service's live replicas
     GET    /v1/services/{name}/logs     where each replica's log is (the CLI reads them)
     GET    /v1/events                   ?service=&limit=&since=
+    GET    /v1/cost, /v1/cost/{name}    what each service (or one) has cost (orchestrator.control.costing)
     POST   /v1/notices                  {"instance_id", "kind", "deadline", "source"} (agents)
     POST   /v1/chaos/preempt            {"replica_id" | "zone", "grace_s"}
     GET    /v1/orphans                  machines no known service (incarnation) owns; the grace runs
@@ -286,6 +287,21 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
              "zone": e.zone, "market": e.market, "message": e.message}
             for e in rows
         ]
+
+    @app.get("/v1/cost")
+    def costs() -> list[dict]:
+        out = []
+        for row in daemon.store.list_services():
+            try:
+                out.append(daemon.cost(row.name).as_dict())
+            except UserError:  # deleted since it was listed (`down` finished)
+                continue
+        return out
+
+    @app.get("/v1/cost/{name}")
+    def cost(name: str) -> dict:
+        get_row(name)
+        return daemon.cost(name).as_dict()
 
     @app.post("/v1/notices")
     def notice(body: NoticeIn, request: Request) -> dict:

@@ -35,7 +35,7 @@ from apscheduler.executors.pool import ThreadPoolExecutor as APThreadPool
 from apscheduler.schedulers.background import BackgroundScheduler
 
 
-from orchestrator.control import auth, discovery, orphans, tls
+from orchestrator.control import auth, costing, discovery, orphans, tls
 
 from orchestrator.common import logsetup, paths
 from orchestrator.control.controller import Controller
@@ -297,8 +297,38 @@ class Daemon:
                 lb.stop()
             self._remove_network(name)
             self.store.delete_bootstrap_tokens(name)
+            final = self._final_cost(name, lb)
             self.store.delete_service(name)
-            self.store.record_event("service_deleted", service=name, message="all replicas terminated")
+            message = "all replicas terminated" + (f"; {costing.summary(final)}" if final else "")
+            self.store.record_event("service_deleted", service=name, data={"cost": final} if final else None,
+                                    message=message)
+
+    def cost(self, name: str, lb: LoadBalancer | None = None) -> costing.CostReport:
+        """What the service has cost (GET /v1/cost): its replica rows, terminal ones included,
+        priced by what was recorded at launch, else by its offers now; its LB's token count."""
+        row = self.store.get_service(name)
+        if row is None:
+            raise UserError(f"no service named {name!r}")
+        spec = spec_from_json(row.spec_json)
+        try:
+            offers = self._offers_of(spec, self.spec_clouds(spec))()
+        except (ProviderError, UserError) as err:  # a cloud's quotes unreachable: recorded prices still count
+            log.warning("cost of %s: no current quotes: %s", name, err)
+            offers = Offers()
+        replicas = costing.billed_replicas(self.store.list_replicas(name, include_terminal=True),
+                                           self.store.list_events(service=name, kinds=["transition"]))
+        lb = lb or self.lbs.get(name)
+        tokens = costing.TokenCount(lb.metrics.output_tokens_total(), lb.metrics.counting_since) if lb else None
+        return costing.service_cost(name, replicas, costing.quote_lookup(offers), time.time(), tokens)
+
+    def _final_cost(self, name: str, lb: LoadBalancer | None) -> dict | None:
+        """The cost report kept in the service_deleted event: the replica rows go with the
+        service. None (logged) when it cannot be made: that must not keep `down` from ending."""
+        try:
+            return self.cost(name, lb).as_dict()
+        except Exception:
+            log.exception("service %s: its final cost could not be computed", name)
+            return None
 
     def _remove_network(self, name: str) -> None:
         row = self.store.get_service(name)

@@ -7,6 +7,8 @@ hot path touches one dict, not a metric object, per request.
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -15,6 +17,15 @@ from prometheus_client.core import GaugeMetricFamily
 # Gaps between the last token before a seam and the first after it: from a local recompute
 # (tens of ms) to a cross-zone KV fetch on a long context (seconds).
 STALL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# An OpenAI `usage` object's output count. Matched in the raw bytes, not parsed: the hop has no
+# time to decode every answer, and inside generated text the quotes would be escaped.
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+def completion_tokens(payload: bytes) -> int | None:
+    """The last `usage.completion_tokens` in an answer (or a stream chunk), None without one."""
+    found = _COMPLETION_TOKENS.findall(payload)
+    return int(found[-1]) if found else None
 
 
 class _InFlightCollector:
@@ -50,6 +61,9 @@ class LBMetrics:
         self.stall_seconds = Histogram("spot_lb_stall_seconds",
                                        "Gap between the last token before a seam and the first after it",
                                        buckets=STALL_BUCKETS, registry=r)
+        # What the service produced, for `spotctl cost` (cost per million output tokens).
+        self.output_tokens = Counter("spot_lb_output_tokens", "Output tokens served to clients", registry=r)
+        self.counting_since = time.time()
         r.register(_InFlightCollector(in_flight_snapshot))
         self._request_children: dict[str, object] = {}
 
@@ -58,6 +72,10 @@ class LBMetrics:
         if child is None:  # labels() costs a lock and a tuple; cache the child per replica
             child = self._request_children[replica] = self.requests.labels(replica)
         child.inc()
+
+    def output_tokens_total(self) -> int:
+        """Output tokens counted since `counting_since` (read in-process by the daemon)."""
+        return int(self.registry.get_sample_value("spot_lb_output_tokens_total") or 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

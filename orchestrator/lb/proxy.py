@@ -4,7 +4,8 @@ The daemon runs one per service, tells it the replica set (`set_replicas`), and 
 drains and migrates replicas on notices (`drain`, `migrate`). It routes every `/v1/...` call to a
 ready replica (least_load or round_robin), retries a try that reaches no replica elsewhere (3
 tries, as SkyServe), and continues a broken or migrated stream on another replica token for token
-(orchestrator.lb.continuation; docs/preemption.md). Serves `/health` and Prometheus `/metrics`.
+(orchestrator.lb.continuation; docs/preemption.md). Serves `/health` and Prometheus `/metrics`
+(with the output tokens served, which `spotctl cost` divides by).
 Every request it cannot serve gets an OpenAI-shaped 4xx (orchestrator.lb.validate, lb.limits;
 docs/hostile-input.md). Raw ASGI on purpose: the hop has a budget of about a millisecond. It runs
 on its own event loop; `set_replicas`, `in_flight` and `migrate` may be called from any thread.
@@ -42,7 +43,7 @@ from orchestrator.lb.continuation import (
 from orchestrator.common.errors import UserError
 from orchestrator.lb import limits as lb_limits
 from orchestrator.lb.limits import Limits
-from orchestrator.lb.metrics import LBMetrics
+from orchestrator.lb.metrics import LBMetrics, completion_tokens
 from orchestrator.lb.picking import make_picker
 from orchestrator.lb.server import CoalescingHTTPProtocol
 from orchestrator.lb.upstream import UpstreamError, UpstreamPool
@@ -429,11 +430,15 @@ class LoadBalancer:
                     handle.continuable = False
                     await self._stream_passthrough(path, raw, headers, send, handle)
                 else:
-                    await self._stream_spliced(Splice(plan), headers, send, handle)
+                    splice = Splice(plan)
+                    try:
+                        await self._stream_spliced(splice, headers, send, handle)
+                    finally:  # every token the client got, across seams, counted once
+                        self.metrics.output_tokens.inc(len(splice.generated))
             else:
                 query = scope.get("query_string") or b""
                 target = path + ("?" + query.decode("latin-1") if query else "")
-                await self._unary(method, target, raw, headers, send, handle)
+                await self._unary(method, target, raw, headers, send, handle, usage=body is not None)
         except asyncio.CancelledError:
             if not handle.client_gone:
                 raise
@@ -496,9 +501,11 @@ class LoadBalancer:
         return False
 
     # -- non-streamed requests ------------------------------------------------------------------
-    async def _unary(self, method: str, target: str, raw: bytes, headers: dict, send, handle: _Handle) -> None:
+    async def _unary(self, method: str, target: str, raw: bytes, headers: dict, send, handle: _Handle,
+                     usage: bool = False) -> None:
         """Send the request as is; a failed or cut try is repeated from scratch elsewhere, which
-        gives the same answer for greedy and seeded requests alike (nothing reached the client)."""
+        gives the same answer for greedy and seeded requests alike (nothing reached the client).
+        `usage`: a completion, whose answer's output tokens are counted."""
         session, pool = self._client(), self._pool
         excluded: set[str] = set()
         tries = 0
@@ -535,6 +542,8 @@ class LoadBalancer:
                 self._release(replica, handle)
             if status >= 500:
                 self.metrics.errors.labels(replica, f"http_{status}").inc()
+            elif usage and status == 200:
+                self.metrics.output_tokens.inc(completion_tokens(payload) or 0)
             handle.settle(True)
             handle.done = True
             return await _send_json(send, status, payload, content_type)
@@ -560,10 +569,13 @@ class LoadBalancer:
                         return await _send_json(send, resp.status, payload)
                     await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                     started = True
+                    produced = 0  # known only when the client asked for usage (stream_options)
                     async for chunk in resp.content.iter_any():
                         handle.waiting = False
+                        produced = completion_tokens(chunk) or produced
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                         handle.waiting = True
+                self.metrics.output_tokens.inc(produced)
                 handle.done = True
                 handle.settle(True)
                 return await send({"type": "http.response.body", "body": b""})
