@@ -47,6 +47,8 @@ def postgres_server():
     pytest.importorskip("psycopg", reason="the PostgreSQL driver (psycopg) is not installed")
     bindir = _postgres_bin()
     if bindir is None:
+        if os.environ.get("SPOT_ORCHESTRATOR_REQUIRE_PG"):  # CI: these tests must run, not skip
+            pytest.fail("PostgreSQL server binaries (initdb, postgres) not found")
         pytest.skip("PostgreSQL server binaries (initdb, postgres) not found")
     root = Path(tempfile.mkdtemp(prefix="spot-pg-"))
     user = None
