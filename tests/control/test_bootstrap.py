@@ -18,6 +18,7 @@ from orchestrator.common.kvtls import CA_FILE, CERT_FILE, KEY_FILE, store_server
 from orchestrator.control.bootstrap import BootstrapError, BootstrapTokens
 from orchestrator.control.store import Store
 from orchestrator.control.wheel import version
+from orchestrator.spec.parse import load_spec_text
 from tests.fakes.launching import launch_request
 from tests.helpers import running_daemon
 from providers.aws import AWSProvider
@@ -56,7 +57,9 @@ def test_a_token_is_redeemed_once_by_its_own_instance(tmp_path):
 
 def test_the_api_gives_the_secret_and_envs_once_and_the_wheel_before(state_home, monkeypatch):
     with running_daemon(monkeypatch, probe_interval_s=None) as (daemon, client):
-        client.post("/v1/services", json={"yaml": SPEC}).raise_for_status()
+        # The service in the store, but no controller: none of its own launches races this
+        # hand-made replica (a reconcile would pick the PENDING row up and launch it).
+        daemon.store.create_or_update_service("boot", load_spec_text(SPEC).to_json())
         row = _replica(daemon.store, "i-42")
         token = daemon.bootstrap.issue("boot", row.replica_id)
         boot = {"Authorization": f"Bootstrap {token}"}
