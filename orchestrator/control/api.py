@@ -4,7 +4,8 @@ every route; a replica's own token (or, for membership only, its service's KV se
 replica routes, and then only for its own service and, for notices, its own instance.
 
 Routes (JSON in and out; errors are {"detail": "<one line>"}):
-    GET    /v1/health
+    GET    /v1/health                   {"status": "ok", "role": "leader", ...} (a standby daemon's
+                                         answers "standby": orchestrator.control.standby)
     POST   /v1/services                 {"yaml": "<service YAML>", "name": optional}
     GET    /v1/services                 services with their replicas
     GET    /v1/services/{name}
@@ -179,7 +180,7 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
 
     @app.get("/v1/health")
     def health() -> dict:
-        return {"status": "ok", "pid": __import__("os").getpid(), "started_at": daemon.started_at}
+        return {"status": "ok", "role": "leader", "pid": __import__("os").getpid(), "started_at": daemon.started_at}
 
     @app.post("/v1/services")
     def up(body: ServiceUp) -> dict:

@@ -8,7 +8,9 @@ Each job calls one function of the library, so the daemon stays small:
 All state is in the store; a restarted daemon rebuilds controllers, load balancers and
 policies from it (policies by replaying the events table). One daemon per state directory:
 `serve` holds `daemon.lock` there (fcntl) for its lifetime, whatever its port, and refuses a
-lost state database while managed machines run (orchestrator.control.orphans).
+lost state database while managed machines run (orchestrator.control.orphans). Daemons on
+other hosts sharing one PostgreSQL database: one leads (orchestrator.control.leader), the others
+wait as standbys, their API answering only /v1/health (orchestrator.control.standby).
 
     python -m orchestrator.control.daemon [--host 127.0.0.1] [--port 8470]    (= `spotctl daemon`)
 """
@@ -36,6 +38,8 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 
 from orchestrator.control import auth, costing, discovery, orphans, tls
+from orchestrator.control.leader import Leadership, display_url
+from orchestrator.control.standby import StandbyAPI
 
 from orchestrator.common import logsetup, paths
 from orchestrator.control.controller import Controller
@@ -49,7 +53,7 @@ from orchestrator.control.bootstrap import BootstrapTokens
 from orchestrator.control.launch import VM_PORTS, ReplicaLauncher
 from orchestrator.control.wheel import own_wheel
 from orchestrator.spec import ServiceSpec, spec_from_json
-from orchestrator.control.store import ServiceStatus, Store
+from orchestrator.control.store import ServiceStatus, Store, default_url
 from policies.base import PlacementPolicy, UnknownPolicyError, load_policy
 from providers import registry
 from providers.base import Offers, Provider, ProviderError, ServiceNetwork
@@ -486,11 +490,40 @@ def hold_state_lock():
     return fh
 
 
+def lead(host: str, port: int, cert: tls.CertPair | None) -> Leadership:
+    """Wait until this daemon leads its state database (at once on SQLite, or when no other
+    daemon leads it); meanwhile a standby's API answers on the port. Returns the held lock."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    url = default_url()
+    leadership = Leadership(url)
+    standby: list[StandbyAPI] = []
+
+    def on_wait() -> None:
+        log.info("standby: another daemon leads %s; waiting", display_url(url))
+        standby.append(StandbyAPI(host, port, cert))
+        standby[0].start()
+
+    try:
+        leadership.wait(on_wait=on_wait)
+    except SQLAlchemyError as err:
+        reason = str(getattr(err, "orig", None) or err).splitlines()[0]
+        raise orphans.StateLost(f"the state database {display_url(url)} cannot be reached ({reason})") from None
+    finally:
+        for api in standby:
+            api.stop()
+    if standby:
+        log.info("leading %s now: taking over its services", display_url(url))
+    return leadership
+
+
 def serve(host: str = "127.0.0.1", port: int = discovery.DEFAULT_PORT, public_url: str | None = None,
           certfile: str | None = None, keyfile: str | None = None, plain_http: bool = False) -> None:
     cert = tls.api_tls(host, certfile, keyfile, plain_http)  # before anything starts
     logsetup.configure_daemon()  # level: SPOT_ORCHESTRATOR_LOG_LEVEL (`spotctl --log-level`)
     lock = hold_state_lock()  # noqa: F841 - held for the life of the process
+    # Nothing below (state check, restore, orphan sweep, jobs) may run before this daemon leads.
+    leadership = lead(host, port, cert)  # noqa: F841 - held for the life of the process
     store = orphans.open_store()
     daemon = Daemon(store=store, host=host, public_url=public_url)
     orphans.check_state(store, daemon.provider)

@@ -20,7 +20,7 @@ from orchestrator.control import migrations
 from orchestrator.control.migrations import SchemaTooNew, legacy
 from orchestrator.control.store import Store, make_engine
 from providers.base import Market
-from tests.control.test_store import _fresh_postgres_db, postgres_server  # noqa: F401 - a fixture
+from tests.fakes.postgres import fresh_db
 from tests.helpers import REPO, free_port, spotctl
 
 HEAD = migrations.head()
@@ -208,8 +208,8 @@ def test_migrations_build_exactly_the_declared_tables(tmp_path):
         engine.dispose()
 
 
-def test_migrations_build_exactly_the_declared_tables_on_postgres(postgres_server):  # noqa: F811
-    url = _fresh_postgres_db(postgres_server)
+def test_migrations_build_exactly_the_declared_tables_on_postgres(postgres_server):
+    url = fresh_db(postgres_server)
     store = Store(url)
     try:
         assert migrations.current(store.engine) == HEAD

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
-import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -22,82 +18,11 @@ import pytest
 from orchestrator.fleet.lifecycle import IllegalTransition, ReplicaState
 from orchestrator.control.store import ConflictError, RowNotFound, ServiceStatus, StateError, Store, default_url
 from providers.base import Location, Market, Offer
-from tests.helpers import free_port
+from tests.fakes.postgres import fresh_db
 
 REPO = Path(__file__).resolve().parents[2]
 A = Location("local", "local", "local-a")
 B = Location("local", "local", "local-b")
-
-
-def _postgres_bin() -> Path | None:
-    found = shutil.which("initdb")
-    if found:
-        return Path(found).resolve().parent
-    candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
-    return candidates[-1].parent if candidates else None
-
-
-@pytest.fixture(scope="module")
-def postgres_server():
-    """A throwaway PostgreSQL server (or SPOT_ORCHESTRATOR_TEST_PG_URL); skips without one."""
-    explicit = os.environ.get("SPOT_ORCHESTRATOR_TEST_PG_URL")
-    if explicit:
-        yield explicit
-        return
-    pytest.importorskip("psycopg", reason="the PostgreSQL driver (psycopg) is not installed")
-    bindir = _postgres_bin()
-    if bindir is None:
-        if os.environ.get("SPOT_ORCHESTRATOR_REQUIRE_PG"):  # CI: these tests must run, not skip
-            pytest.fail("PostgreSQL server binaries (initdb, postgres) not found")
-        pytest.skip("PostgreSQL server binaries (initdb, postgres) not found")
-    root = Path(tempfile.mkdtemp(prefix="spot-pg-"))
-    user = None
-    if os.geteuid() == 0:  # postgres refuses to run as root
-        user = "nobody"
-        os.chown(root, pwd.getpwnam(user).pw_uid, -1)
-    subprocess.run(
-        [bindir / "initdb", "-D", root / "data", "-A", "trust", "-U", "postgres"],
-        user=user, check=True, capture_output=True, timeout=180,
-    )  # fmt: skip
-    port = free_port()
-    with open(root / "server.log", "wb") as log:
-        server = subprocess.Popen(
-            [bindir / "postgres", "-D", root / "data", "-p", str(port), "-k", root,
-             "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
-            user=user, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
-    try:
-        import psycopg
-
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                psycopg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres", connect_timeout=2).close()
-                break
-            except psycopg.OperationalError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"PostgreSQL did not start: {(root / 'server.log').read_text()[-500:]}")
-                time.sleep(0.2)
-        yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _fresh_postgres_db(server_url: str) -> str:
-    import psycopg
-
-    name = f"t{uuid.uuid4().hex[:12]}"
-    plain = server_url.replace("postgresql+psycopg://", "postgresql://")
-    with psycopg.connect(plain, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    return server_url.rsplit("/", 1)[0] + f"/{name}"
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -106,7 +31,7 @@ def store(request, tmp_path):
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'state.db'}"
     else:
-        url = _fresh_postgres_db(request.getfixturevalue("postgres_server"))
+        url = fresh_db(request.getfixturevalue("postgres_server"))
     s = Store(url)
     yield s
     s.close()
