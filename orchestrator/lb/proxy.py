@@ -9,8 +9,9 @@ tries, as SkyServe), and continues a broken or migrated stream on another replic
 Every request it cannot serve gets an OpenAI-shaped 4xx (orchestrator.lb.validate, lb.limits;
 docs/hostile-input.md), every 503 a Retry-After. A client's X-Request-Id (one is made when it sent
 none) goes to the replica and comes back on the answer; each /v1/ request's latency by status
-and a stream's time to its first event go to the metrics (orchestrator.lb.metrics). Raw ASGI on purpose: the hop has a budget of about a millisecond. It runs
-on its own event loop; `set_replicas`, `in_flight` and `migrate` may be called from any thread.
+and a stream's time to its first event go to the metrics (orchestrator.lb.metrics).
+Raw ASGI on purpose: the hop has a budget of about a millisecond. It runs on its own event loop;
+`set_replicas`, `in_flight` and `migrate` may be called from any thread.
 """
 
 from __future__ import annotations
