@@ -1,4 +1,4 @@
-"""The daemon's HTTP API (FastAPI). Every route but /v1/health and /v1/bootstrap/* needs a bearer
+"""The daemon's HTTP API (FastAPI). Every route but /v1/health, /metrics and /v1/bootstrap/* needs a bearer
 credential, checked before the body is read (orchestrator.control.gate): the operator's token for
 every route; a replica's own token (or, for membership only, its service's KV secret) for the two
 replica routes, and then only for its own service and, for notices, its own instance.
@@ -6,6 +6,7 @@ replica routes, and then only for its own service and, for notices, its own inst
 Routes (JSON in and out; errors are {"detail": "<one line>"}):
     GET    /v1/health                   {"status": "ok", "role": "leader", ...} (a standby daemon's
                                          answers "standby": orchestrator.control.standby)
+    GET    /metrics                     Prometheus text (orchestrator.control.metrics); no credential
     POST   /v1/services                 {"yaml": "<service YAML>", "name": optional}
     GET    /v1/services                 services with their replicas
     GET    /v1/services/{name}
@@ -32,7 +33,7 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from orchestrator.common import identity
@@ -42,6 +43,7 @@ from orchestrator.common.errors import UserError
 from orchestrator.fleet.lifecycle import ReplicaState
 from orchestrator.control.bootstrap import BootstrapError
 from orchestrator.control.launch import kv_secret_file
+from orchestrator.control.metrics import CONTENT_TYPE
 from orchestrator.control.wheel import own_wheel
 from orchestrator.control.wheel import version as wheel_version
 from orchestrator.spec import ServiceSpec, load_spec_text, spec_from_json
@@ -181,6 +183,10 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
     @app.get("/v1/health")
     def health() -> dict:
         return {"status": "ok", "role": "leader", "pid": __import__("os").getpid(), "started_at": daemon.started_at}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(daemon.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/services")
     def up(body: ServiceUp) -> dict:

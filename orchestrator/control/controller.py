@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from prometheus_client import CollectorRegistry
 
 from orchestrator.fleet import decisions
 from orchestrator.lb.proxy import Upstream
@@ -33,6 +34,7 @@ from orchestrator.common.errors import UserError
 from orchestrator.fleet.lifecycle import ReplicaState, is_alive
 from orchestrator.control.clouds import Clouds, Observed
 from orchestrator.control.launch import ReplicaLauncher
+from orchestrator.control.metrics import FleetCounters
 from orchestrator.spec import ServiceSpec, spec_from_json
 from orchestrator.control.store import ReplicaRow, ServiceStatus, Store
 from policies.base import (
@@ -92,6 +94,7 @@ class Controller:
         on_notice: Callable[[Notice], object] | None = None,
         clock: Callable[[], float] = time.time,
         inline_cloud_calls: bool = False,
+        counters: FleetCounters | None = None,
     ):
         self.service = service
         self.store = store
@@ -103,6 +106,8 @@ class Controller:
         # The daemon's migrator: a notice from the cloud's control plane must flush and move
         # the replica's streams like one from its agent, not only mark it DRAINING.
         self.on_notice = on_notice or self.handle_notice
+        # The daemon's /metrics counters; a controller on its own counts into a registry nobody reads.
+        self.counters = counters or FleetCounters(CollectorRegistry())
         self._offers = offers or (lambda: Offers(self.clouds.offers()))
         self.reconciles = 0
         self._lock = threading.RLock()  # jobs, API calls and notices may arrive concurrently
@@ -164,6 +169,7 @@ class Controller:
             at=at,
         )
         self.policy.observe(MarketEvent(kind, replica.location, replica.market_enum, at, replica.replica_id))
+        self.counters.market_event(kind, self.service, replica.cloud, replica.market)
 
     def record_requests(self, timestamps: list[float]) -> None:
         self.autoscaler.record_requests(timestamps)
@@ -434,6 +440,7 @@ class Controller:
         try:
             request = self.launcher.request(spec, row, offer, self.clouds.provider(location.cloud).runtime())
         except UserError as err:  # e.g. the demo model could not be built: a failed launch, said once
+            self.counters.launch_failed(self.service, location.cloud, err)
             self._apply_outcome(row, decisions.launch_failed(ProviderError(str(err))), f"launch failed: {err}")
             self._mark_in_flight(row.replica_id, False)
             return None
@@ -451,6 +458,7 @@ class Controller:
             inst = self.clouds.provider(request.location.cloud).launch(request)
         except ProviderError as err:
             # The replica row stays failed; the next reconcile asks the policy again.
+            self.counters.launch_failed(self.service, request.location.cloud, err)
             outcome = decisions.launch_failed(err)
             if outcome.event is EventKind.CAPACITY_ERROR:
                 why = f"no capacity: {err}"
@@ -463,6 +471,7 @@ class Controller:
             return
         except Exception as err:  # a provider bug must not leave the replica PROVISIONING forever
             log.exception("service %s: launch of %s failed", self.service, row.replica_id)
+            self.counters.launch_failed(self.service, request.location.cloud, err)
             with self._lock:
                 self._apply_outcome(self._current(row), decisions.launch_failed(ProviderError(str(err))),
                                     f"launch failed: {type(err).__name__}: {err}")

@@ -47,6 +47,7 @@ from orchestrator.common.errors import UserError
 from orchestrator.lb.proxy import LoadBalancer
 from orchestrator.control.pricebook import PriceBook, refresh_prices
 from orchestrator.control.migration import Migrator
+from orchestrator.control.metrics import DaemonMetrics
 from orchestrator.control.boot import BootScripts
 from orchestrator.control.clouds import Clouds
 from orchestrator.control.bootstrap import BootstrapTokens
@@ -126,6 +127,7 @@ class Daemon:
         self.controllers: dict[str, Controller] = {}
         self.lbs: dict[str, LoadBalancer] = {}
         self.migrator = Migrator(self.store, self.controllers, self.lbs, self.provider, self.reconcile_service)
+        self.metrics = DaemonMetrics(self.store, self.lbs)  # GET /metrics
         self.book = PriceBook()  # live quotes of the real clouds in use (the local cloud prices itself)
         self.orphans = orphans.OrphanSweeper(self.store, self.provider)
         self._lock = threading.RLock()
@@ -238,6 +240,7 @@ class Daemon:
             policy=self.policy_factory(spec.service.placement_policy),
             on_upstreams=lb.set_replicas,
             on_notice=self.migrator.on_notice,
+            counters=self.metrics.counters,
         )
         self.controllers[name] = controller
         controller.publish_upstreams()

@@ -39,7 +39,9 @@ _REPLICA_ROUTES = re.compile(r"^/v1/(notices|services/[^/]+/stores)$")
 def route_kind(path: str) -> str:
     """Who may call `path`: anyone, a booting VM, a replica (or service, or the operator), or
     only the operator (every route not named here, including unknown ones)."""
-    if path == "/v1/health":
+    # /metrics is open like the load balancers' own /metrics (a Prometheus scrape with no
+    # secret to keep): counts and $/hour by service, cloud and zone; no replica id, endpoint or token.
+    if path in ("/v1/health", "/metrics"):
         return PUBLIC
     if path.startswith("/v1/bootstrap/"):
         return BOOTSTRAP

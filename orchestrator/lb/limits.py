@@ -188,6 +188,12 @@ class ConnectionGuard:
             self._busy.discard(conn)
 
 
+# Every 503 says when to come back: a replica the daemon's probes find ready joins the LB within
+# one probe pass (2 s), and a connection slot frees as fast; clients that honour it back off.
+RETRY_AFTER_S = 2
+RETRY_AFTER = (b"retry-after", str(RETRY_AFTER_S).encode())
+
+
 def error_body(status: int, message: str, kind: str) -> bytes:
     """An OpenAI-shaped error: {"error": {"message", "type", "param", "code"}}."""
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
@@ -275,8 +281,10 @@ class _Guarded(HttpToolsProtocol):
 
     def _answer_and_close(self, status: int, kind: str, message: str) -> None:
         body = error_body(status, message, kind)
+        retry = b"%s: %s\r\n" % RETRY_AFTER if status == 503 else b""
         head = (f"HTTP/1.1 {status} ".encode() + _REASONS.get(status, b"Error") + b"\r\ncontent-type: "
-                b"application/json\r\ncontent-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n")
+                b"application/json\r\ncontent-length: " + str(len(body)).encode() + b"\r\n" + retry +
+                b"connection: close\r\n\r\n")
         self._guard.remove(self)
         self._cancel_header_timer()
         if not self.transport.is_closing():

@@ -7,8 +7,11 @@ tries, as SkyServe), and continues a broken or migrated stream on another replic
 (orchestrator.lb.continuation; docs/preemption.md). Serves `/health` and Prometheus `/metrics`
 (with the output tokens served, which `spotctl cost` divides by).
 Every request it cannot serve gets an OpenAI-shaped 4xx (orchestrator.lb.validate, lb.limits;
-docs/hostile-input.md). Raw ASGI on purpose: the hop has a budget of about a millisecond. It runs
-on its own event loop; `set_replicas`, `in_flight` and `migrate` may be called from any thread.
+docs/hostile-input.md), every 503 a Retry-After. A client's X-Request-Id (one is made when it sent
+none) goes to the replica and comes back on the answer; each /v1/ request's latency by status
+and a stream's time to its first event go to the metrics (orchestrator.lb.metrics).
+Raw ASGI on purpose: the hop has a budget of about a millisecond. It runs on its own event loop;
+`set_replicas`, `in_flight` and `migrate` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import dataclasses
 import inspect
 import json
 import logging
+import os
+import re
 import socket
 import threading
 import time
@@ -68,6 +73,10 @@ _STREAM_ERRORS = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError, Up
 STALE_RESENDS = 2
 _JSON = b"application/json"
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+# A client's X-Request-Id is passed on when it is short printable ASCII and does not pose as
+# a continuation's (the migrator counts KV records by those); otherwise the LB makes one.
+_CLIENT_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")
+_REQUEST_ID_KEY = "spot.request_id"  # where _proxy leaves the id in the ASGI scope for app()
 
 
 @dataclass(frozen=True)
@@ -145,6 +154,16 @@ async def _send_error(send, status: int, message: str, kind: str = "server_error
     await _send_json(send, status, body, extra=extra)
 
 
+def _answer_headers(headers: list, status: int, request_id: bytes | None) -> list:
+    """An answer's headers with its X-Request-Id and, on a 503, Retry-After (a new list: the
+    constant header lists are shared)."""
+    if request_id is not None:
+        headers = [*headers, (b"x-request-id", request_id)]
+    if status == 503:
+        headers = [*headers, lb_limits.RETRY_AFTER]
+    return headers
+
+
 def _validate(upstream: Upstream) -> Upstream:
     parts = urlsplit(upstream.url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -171,7 +190,7 @@ class LoadBalancer:
         self._handles: dict[str, set[_Handle]] = {}
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
                                               sock_read=stream_idle_timeout)
-        self.metrics = LBMetrics(lambda: dict(self._in_flight))
+        self.metrics = LBMetrics(self._in_flight_series)
         self._session: aiohttp.ClientSession | None = None  # streams (and HEAD)
         self._pool: UpstreamPool | None = None  # every other non-streamed request
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -189,7 +208,9 @@ class LoadBalancer:
             self._drained &= replicas.keys()  # ids are never reused: one that left is gone
             for replica_id in self._drained:
                 replicas[replica_id] = dataclasses.replace(replicas[replica_id], draining=True)
+            departed = self._replicas.keys() - replicas.keys()
             self._replicas = replicas  # one assignment: readers on the loop see old or new, never half
+        self.metrics.forget(departed)
 
     def drain(self, replica_ids: Iterable[str]) -> None:
         """No new request, retry or continuation goes to these replicas from now on (thread-safe,
@@ -204,6 +225,12 @@ class LoadBalancer:
 
     def replicas(self) -> list[Upstream]:
         return list(self._replicas.values())
+
+    def _in_flight_series(self) -> dict[str, int]:
+        """The in-flight gauge at scrape time: a replica that left the set is shown only while
+        requests still finish on it (its idle zero stays in the dict, not in the scrape)."""
+        replicas = self._replicas
+        return {r: n for r, n in list(self._in_flight.items()) if n or r in replicas}
 
     def in_flight(self, replica_id: str) -> int:
         return self._in_flight.get(replica_id, 0)
@@ -340,19 +367,31 @@ class LoadBalancer:
             return await self._lifespan(receive, send)
         if kind != "http":
             return
-        started = False
+        arrived = time.perf_counter()
+        status = 0  # the answer's, once its headers went out
+        first_event = False  # a stream whose first event is still to be sent
 
         async def tracked(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal status, first_event
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                first_event = message["headers"] is _SSE_HEADERS
+                message["headers"] = _answer_headers(message["headers"], status, scope.get(_REQUEST_ID_KEY))
+            elif first_event and message.get("body"):
+                first_event = False
+                self.metrics.ttft_seconds.observe(time.perf_counter() - arrived)
             await send(message)
 
         try:
             await self._http(scope, receive, tracked)
         except Exception:  # a bug: say so in the log, and in OpenAI's shape to the client
             log.exception("load balancer: %s %s failed", scope.get("method"), scope.get("path"))
-            if not started:
-                await _send_error(send, 500, "internal error in the load balancer", extra=_CLOSE)
+            if not status:
+                await _send_error(tracked, 500, "internal error in the load balancer", extra=_CLOSE)
+        finally:
+            # Client traffic only (not /health or /metrics); a client gone before any answer has no status.
+            if status and scope["path"].startswith("/v1/"):
+                self.metrics.observe_request(status, time.perf_counter() - arrived)
 
     async def _http(self, scope, receive, send) -> None:
         path, method = scope["path"], scope["method"]
@@ -391,11 +430,18 @@ class LoadBalancer:
     async def _proxy(self, scope, receive, send, path: str, method: str) -> None:
         headers = {"Content-Type": "application/json"}
         declared = None
+        request_id = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 headers["Authorization"] = value.decode("latin-1")
             elif name == b"content-length":
                 declared = value
+            elif name == b"x-request-id":
+                request_id = value
+        if request_id is None or b"seam-" in request_id or not _CLIENT_REQUEST_ID.fullmatch(request_id):
+            request_id = os.urandom(16).hex().encode()
+        scope[_REQUEST_ID_KEY] = request_id
+        headers[SEAM_ID_HEADER] = request_id.decode("latin-1")  # a continuation's seam id replaces it
         limit = self.limits.max_body_bytes
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             return await _send_error(send, 413, f"request body over {limit} bytes", "invalid_request_error", _CLOSE)

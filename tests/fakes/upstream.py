@@ -17,7 +17,8 @@ Test knobs in the request body: `fake_token_delay` (s/token), `fake_status` (ans
 HTTP status), `fake_die_after` ({replica name: n}: the process exits after streaming n tokens,
 as a killed replica would), `fake_stream_error` ({"after": n, "status": s}: an error event in
 vLLM's shape after n tokens). Like vLLM, a request it cannot read gets a 400 (and a budget past
-its context of MAX_MODEL_LEN tokens too), never a 500. GET /_requests lists the bodies received (DELETE clears them).
+its context of MAX_MODEL_LEN tokens too), never a 500. GET /_requests lists the bodies received
+and their X-Request-Id (DELETE clears them).
 The replica's name is returned as `system_fingerprint`.
 """
 
@@ -117,7 +118,8 @@ class Fake:
             body = None
         if not isinstance(body, dict):
             return await self.bad_request(send, "request body is not a JSON object")
-        self.requests.append({"path": path, "body": body})
+        request_id = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        self.requests.append({"path": path, "body": body, "request_id": request_id})
         if body.get("fake_status"):
             status = int(body["fake_status"])
             return await self.json(send, status, {"error": {"message": "fake failure", "type": "server_error",

@@ -266,6 +266,13 @@ def test_controller_and_simulator_show_the_policy_the_same_things_and_it_decides
     for i, (a, b) in enumerate(zip(got_live, got_sim, strict=False)):
         assert a == b, f"step {i}: controller {a} != simulator {b}"
     assert len(got_live) == len(got_sim)
+    # The controller counts the same facts for the daemon's /metrics (orchestrator.control.metrics).
+    counters = live.ctl.counters
+    for counter, kind, labels in ((counters.preemptions, "preempted", {}), (counters.notices, "notice", {}),
+                                  (counters.launch_failures, "capacity_error", {"kind": "capacity"})):
+        counted = sum(s.value for family in counter.collect() for s in family.samples
+                      if s.name.endswith("_total") and labels.items() <= s.labels.items())
+        assert counted == len(live.store.list_events(service="svc", kinds=[kind])) > 0, kind
     live.ctl.close()
 
 

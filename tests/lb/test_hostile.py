@@ -186,7 +186,9 @@ def test_past_the_connection_cap_idle_connections_make_room_and_busy_ones_refuse
         t.start()
     try:
         wait_for(lambda: lb.in_flight("a") == 4, what="four streams")
-        assert_openai_error(httpx.get(lb.url + "/health"), 503)
+        refused = httpx.get(lb.url + "/health")
+        assert_openai_error(refused, 503)
+        assert refused.headers["retry-after"] == "2"  # every 503 says when to come back
         assert lb.guard.refused >= 1
     finally:
         stop.set()

@@ -139,22 +139,22 @@ class _MemoryCollector:
     def collect(self):
         mem, stats = self.memory, self.memory.stats
         gauges = (
-            ("kv_store_bytes", "Bytes held (values + keys)", mem.bytes),
-            ("kv_store_max_bytes", "Configured memory bound", mem.max_bytes),
-            ("kv_store_items", "Shards held", len(mem)),
+            ("spot_kv_store_bytes", "Bytes held (values + keys)", mem.bytes),
+            ("spot_kv_store_max_bytes", "Configured memory bound", mem.max_bytes),
+            ("spot_kv_store_items", "Shards held", len(mem)),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
-        evictions = CounterMetricFamily("kv_store_evictions", "Shards evicted", labels=["reason"])
+        evictions = CounterMetricFamily("spot_kv_store_evictions", "Shards evicted", labels=["reason"])
         evictions.add_metric(["lru"], stats.lru_evictions)
         evictions.add_metric(["ttl"], stats.ttl_evictions)
         yield evictions
         counters = (
-            ("kv_store_hits", "Gets that found the shard", stats.hits),
-            ("kv_store_misses", "Gets that did not", stats.misses),
-            ("kv_store_puts", "Shards stored", stats.puts),
-            ("kv_store_rejected", "Shards larger than the memory bound", stats.rejected),
-            ("kv_store_unauthorized", "Requests without the right secret", stats.unauthorized),
+            ("spot_kv_store_hits", "Gets that found the shard", stats.hits),
+            ("spot_kv_store_misses", "Gets that did not", stats.misses),
+            ("spot_kv_store_puts", "Shards stored", stats.puts),
+            ("spot_kv_store_rejected", "Shards larger than the memory bound", stats.rejected),
+            ("spot_kv_store_unauthorized", "Requests without the right secret", stats.unauthorized),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -90,7 +90,7 @@ def kv_transfer_config(stores: list[dict], secret_file: Path, control_port: int)
 
 def shards_held(endpoint: str, auth: dict) -> int:
     metrics = httpx.get(f"{endpoint}/metrics", headers=auth, timeout=10).text
-    return int(float(re.search(r"^kv_store_items (\S+)$", metrics, re.M).group(1)))
+    return int(float(re.search(r"^spot_kv_store_items (\S+)$", metrics, re.M).group(1)))
 
 
 def last_request(control: str, auth: dict) -> dict:

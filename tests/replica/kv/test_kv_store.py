@@ -51,7 +51,7 @@ def test_every_route_needs_the_secret(store):
         assert httpx.request(method, store.endpoint + path, content=b"x").status_code == 401
         wrong = {"authorization": "Bearer not-the-secret"}
         assert httpx.request(method, store.endpoint + path, content=b"x", headers=wrong).status_code == 401
-    assert metrics(store.endpoint)["kv_store_unauthorized_total"] == 14
+    assert metrics(store.endpoint)["spot_kv_store_unauthorized_total"] == 14
 
 
 def test_wrong_secret_in_the_client_is_a_clear_error(store):
@@ -93,9 +93,9 @@ def test_memory_bound_holds_under_a_flood(tmp_path):
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(flood, range(4)))
         seen = metrics(store.endpoint)
-        assert seen["kv_store_bytes"] <= bound
-        assert seen["kv_store_items"] <= bound // len(value)
-        assert seen["kv_store_evictions_total{reason=\"lru\"}"] >= 4 * 128 - bound // len(value)
+        assert seen["spot_kv_store_bytes"] <= bound
+        assert seen["spot_kv_store_items"] <= bound // len(value)
+        assert seen["spot_kv_store_evictions_total{reason=\"lru\"}"] >= 4 * 128 - bound // len(value)
         # held memory stays near the bound (not the 512 MiB that went through)
         assert rss_bytes(store.pid) - before < 6 * bound + (64 << 20)
         c = StoreClient(store.endpoint, SECRET)
@@ -112,7 +112,7 @@ def test_a_shard_larger_than_the_bound_is_refused(tmp_path):
     try:
         assert not c.put("big", b"x" * (2 << 20))
         assert c.put_many([("big", b"x" * (3 << 19)), ("small", b"y")]) == [False, True]
-        assert metrics(store.endpoint)["kv_store_rejected_total"] == 2
+        assert metrics(store.endpoint)["spot_kv_store_rejected_total"] == 2
         # a body the store could never hold is refused whole (413) before it is buffered
         assert c.put_many([("a", b"x" * (1 << 20)), ("b", b"x" * (1 << 20)), ("c", b"y")]) == [False] * 3
         assert c.get("small") == b"y"  # and the store (and this connection pool) carry on
@@ -130,7 +130,7 @@ def test_shards_expire_after_their_ttl(tmp_path):
         while c.has("short-lived") and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not c.has("short-lived")
-        assert metrics(store.endpoint)["kv_store_evictions_total{reason=\"ttl\"}"] == 1
+        assert metrics(store.endpoint)["spot_kv_store_evictions_total{reason=\"ttl\"}"] == 1
     finally:
         c.close()
         store.kill()

@@ -1,0 +1,118 @@
+"""The daemon's Prometheus metrics, served at its GET /metrics (orchestrator.control.api).
+
+Read at scrape time, so no stale series remain: the fleet by state, market, cloud and zone and
+its $/hour from the store (`spot_replicas`, `spot_fleet_cost_per_hour`, priced by
+orchestrator.control.costing), and each service's spot_migration_* counters from its load
+balancer's registry (where the migrator counts them) with a `service` label added. Counted as
+they happen, by the controllers (`FleetCounters`): preemptions, notices and launch failures by
+kind. The daemon makes one `DaemonMetrics` and hands its counters to every controller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter as Tally
+from collections.abc import Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from orchestrator.control import costing
+from policies.base import EventKind
+from providers.base import AuthError, CapacityError, ProviderError, QuotaError, TransientError
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_MIGRATION_PREFIX = "spot_migration_"
+
+
+def failure_kind(err: BaseException) -> str:
+    """A launch failure's `kind` label: capacity, quota, auth, transient, error (another
+    provider or launcher refusal) or bug (an exception nobody expected)."""
+    for kind, cls in (("capacity", CapacityError), ("quota", QuotaError), ("auth", AuthError),
+                      ("transient", TransientError), ("error", ProviderError)):
+        if isinstance(err, cls):
+            return kind
+    return "bug"
+
+
+class FleetCounters:
+    """What happened to the fleet, counted by orchestrator.control.controller as it records it."""
+
+    def __init__(self, registry: CollectorRegistry):
+        where = ["service", "cloud", "market"]
+        self.preemptions = Counter("spot_preemptions", "Replicas the cloud took back", where, registry=registry)
+        self.notices = Counter("spot_notices", "Preemption or rebalance notices received", where,
+                               registry=registry)
+        self.launch_failures = Counter("spot_launch_failures", "Launches that did not give a machine",
+                                       ["service", "cloud", "kind"], registry=registry)
+        self._by_event = {EventKind.PREEMPTED: self.preemptions, EventKind.NOTICE: self.notices}
+
+    def market_event(self, kind: EventKind, service: str, cloud: str, market: str) -> None:
+        counter = self._by_event.get(kind)
+        if counter is not None:
+            counter.labels(service, cloud, market).inc()
+
+    def launch_failed(self, service: str, cloud: str, err: BaseException) -> None:
+        self.launch_failures.labels(service, cloud, failure_kind(err)).inc()
+
+
+class _FleetCollector:
+    """spot_replicas and spot_fleet_cost_per_hour from the store's live replica rows."""
+
+    def __init__(self, store, clock: Callable[[], float] = time.time):
+        self._store = store
+        self._clock = clock
+
+    def collect(self):
+        rows = self._store.list_replicas()  # live rows only: a terminated replica is no series
+        replicas = GaugeMetricFamily("spot_replicas", "Live replicas by state, market, cloud and zone",
+                                     labels=["service", "state", "market", "cloud", "zone"])
+        for key, n in sorted(Tally((r.service, r.state, r.market, r.cloud, r.zone) for r in rows).items()):
+            replicas.add_metric(list(key), n)
+        yield replicas
+        cost = GaugeMetricFamily("spot_fleet_cost_per_hour", "The fleet's $/hour now (prices recorded at launch)",
+                                 labels=["service", "market", "cloud"])
+        groups: dict[tuple[str, str, str], list] = {}
+        for r in rows:
+            groups.setdefault((r.service, r.market, r.cloud), []).append(r)
+        now = self._clock()
+        for key, group in sorted(groups.items()):
+            # No quotes asked here: a scrape must not call a cloud; an unpriced replica counts 0.
+            report = costing.service_cost(key[0], costing.billed_replicas(group, ()), _no_quote, now)
+            cost.add_metric(list(key), report.cost_per_hour)
+        yield cost
+
+
+def _no_quote(*_where) -> None:
+    return None
+
+
+class _MigrationCollector:
+    """Each service LB's spot_migration_* samples, labelled with the service."""
+
+    def __init__(self, lbs: Mapping[str, object]):
+        self._lbs = lbs
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        for service, lb in sorted(dict(self._lbs).items()):
+            for family in lb.metrics.registry.collect():
+                if not family.name.startswith(_MIGRATION_PREFIX):
+                    continue
+                out = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for s in family.samples:
+                    out.add_sample(s.name, {"service": service, **s.labels}, s.value, s.timestamp, s.exemplar)
+        yield from families.values()
+
+
+class DaemonMetrics:
+    """The daemon's registry: `counters` for the controllers, `render` for GET /metrics."""
+
+    def __init__(self, store, lbs: Mapping[str, object], clock: Callable[[], float] = time.time):
+        self.registry = CollectorRegistry()
+        self.counters = FleetCounters(self.registry)
+        self.registry.register(_FleetCollector(store, clock))
+        self.registry.register(_MigrationCollector(lbs))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
