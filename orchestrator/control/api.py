@@ -1,4 +1,4 @@
-"""The daemon's HTTP API (FastAPI). Every route but /v1/health, /metrics and /v1/bootstrap/* needs a bearer
+"""The daemon's HTTP API (FastAPI). Every route but /v1/health and /v1/bootstrap/* needs a bearer
 credential, checked before the body is read (orchestrator.control.gate): the operator's token for
 every route; a replica's own token (or, for membership only, its service's KV secret) for the two
 replica routes, and then only for its own service and, for notices, its own instance.
@@ -6,7 +6,7 @@ replica routes, and then only for its own service and, for notices, its own inst
 Routes (JSON in and out; errors are {"detail": "<one line>"}):
     GET    /v1/health                   {"status": "ok", "role": "leader", ...} (a standby daemon's
                                          answers "standby": orchestrator.control.standby)
-    GET    /metrics                     Prometheus text (orchestrator.control.metrics); no credential
+    GET    /metrics                     Prometheus text (orchestrator.control.metrics); the operator's
     POST   /v1/services                 {"yaml": "<service YAML>", "name": optional}
     GET    /v1/services                 services with their replicas
     GET    /v1/services/{name}

@@ -39,9 +39,9 @@ _REPLICA_ROUTES = re.compile(r"^/v1/(notices|services/[^/]+/stores)$")
 def route_kind(path: str) -> str:
     """Who may call `path`: anyone, a booting VM, a replica (or service, or the operator), or
     only the operator (every route not named here, including unknown ones)."""
-    # /metrics is open like the load balancers' own /metrics (a Prometheus scrape with no
-    # secret to keep): counts and $/hour by service, cloud and zone; no replica id, endpoint or token.
-    if path in ("/v1/health", "/metrics"):
+    # The daemon's /metrics is the operator's (every service's fleet and $/hour: one service's
+    # replica token must not read the others'); Prometheus scrapes it with the bearer token.
+    if path == "/v1/health":
         return PUBLIC
     if path.startswith("/v1/bootstrap/"):
         return BOOTSTRAP

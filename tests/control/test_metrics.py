@@ -82,11 +82,12 @@ def test_each_services_migration_counters_show_with_a_service_label(tmp_path):
     assert not any(name.startswith("spot_lb_") for name, _ in seen)  # those are each LB's own /metrics
 
 
-def test_the_daemons_metrics_need_no_credential_like_the_load_balancers(state_home, monkeypatch):
-    assert gate.route_kind("/metrics") == gate.PUBLIC
-    assert gate.route_kind("/metricsx") == gate.OPERATOR
-    with running_daemon(monkeypatch, probe_interval_s=None) as (daemon, _):
-        answer = httpx.get(f"{daemon.url}/metrics", timeout=30)
+def test_the_daemons_metrics_are_the_operators(state_home, monkeypatch):
+    # Every service's fleet and $/hour: the operator's token, not a service's replica token.
+    assert gate.route_kind("/metrics") == gate.OPERATOR
+    with running_daemon(monkeypatch, probe_interval_s=None) as (daemon, client):
+        assert httpx.get(f"{daemon.url}/metrics", timeout=30).status_code == 401
+        answer = client.get("/metrics", timeout=30)
     assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
     assert "# TYPE spot_replicas gauge" in answer.text and "# TYPE spot_preemptions_total counter" in answer.text
 
