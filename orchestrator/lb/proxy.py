@@ -555,9 +555,14 @@ class LoadBalancer:
         session, pool = self._client(), self._pool
         excluded: set[str] = set()
         tries = 0
+        failed: tuple[int, bytes, bytes] | None = None  # the last replica's own 5xx answer
         while True:
             upstream = self._choose(excluded)
             if upstream is None:
+                if failed is not None:  # no other replica to ask: the replica's answer is the client's
+                    handle.settle(False)
+                    handle.done = True
+                    return await _send_json(send, *failed)
                 return await self._refuse(send, handle, tries)
             replica = upstream.replica_id
             self._acquire(replica, handle)
@@ -587,8 +592,18 @@ class LoadBalancer:
                 handle.waiting = False
                 self._release(replica, handle)
             if status >= 500:
-                self.metrics.errors.labels(replica, f"http_{status}").inc()
-            elif usage and status == 200:
+                # The replica failed, not the request (vLLM answers bad input with a 4xx): an
+                # engine that died under it, an overloaded one. Nothing reached the client yet,
+                # so another replica is asked, as after a refused connection.
+                excluded.add(replica)
+                tries += 1
+                failed = (status, payload, content_type)
+                if self._try_failed(replica, f"http_{status}", tries):
+                    continue
+                handle.settle(False)
+                handle.done = True
+                return await _send_json(send, status, payload, content_type)
+            if usage and status == 200:
                 self.metrics.output_tokens.inc(completion_tokens(payload) or 0)
             handle.settle(True)
             handle.done = True

@@ -14,7 +14,7 @@ prompt + generated ids must reproduce an uninterrupted run exactly:
 - unseeded sampling: fresh randomness.
 
 Test knobs in the request body: `fake_token_delay` (s/token), `fake_status` (answer that
-HTTP status), `fake_die_after` ({replica name: n}: the process exits after streaming n tokens,
+HTTP status; {replica name: status}: only those do), `fake_die_after` ({replica name: n}: the process exits after streaming n tokens,
 as a killed replica would), `fake_stream_error` ({"after": n, "status": s}: an error event in
 vLLM's shape after n tokens). Like vLLM, a request it cannot read gets a 400 (and a budget past
 its context of MAX_MODEL_LEN tokens too), never a 500. GET /_requests lists the bodies received
@@ -120,8 +120,11 @@ class Fake:
             return await self.bad_request(send, "request body is not a JSON object")
         request_id = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
         self.requests.append({"path": path, "body": body, "request_id": request_id})
-        if body.get("fake_status"):
-            status = int(body["fake_status"])
+        status = body.get("fake_status")
+        if isinstance(status, dict):  # {replica name: status}: only those replicas fail
+            status = status.get(self.name)
+        if status:
+            status = int(status)
             return await self.json(send, status, {"error": {"message": "fake failure", "type": "server_error",
                                                             "code": status}})
         chat = path == "/v1/chat/completions"

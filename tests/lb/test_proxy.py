@@ -132,14 +132,27 @@ def test_in_flight_returns_to_zero_after_errors_and_disconnects(fakes, make_lb):
         httpx.post(lb.url + "/v1/completions", timeout=0.5,
                    json={"model": "fake", "prompt": "slow", "max_tokens": 100, "fake_token_delay": 0.05})
     wait_for(lambda: lb.in_flight("a") + lb.in_flight("b") == 0, what="in-flight after a client timeout")
-    # The replica answers with an error, streamed or not: passed through, counted.
+    # Every replica answers with an error, streamed or not: passed through, counted (the 500
+    # once per replica: each was asked before the client got the last one's answer).
     assert complete(lb, fake_status=500).status_code == 500
     resp = httpx.post(lb.url + "/v1/completions", json={"model": "fake", "prompt": "x", "stream": True,
                                                          "fake_status": 400})
     assert resp.status_code == 400
     assert lb.in_flight("a") == lb.in_flight("b") == 0
-    assert metric(lb.url, 'spot_lb_errors_total{kind="http_500"') == 1
+    assert metric(lb.url, 'spot_lb_errors_total{kind="http_500"') == 2
     assert metric(lb.url, "spot_lb_accounting_errors_total") == 0
+
+
+def test_a_replicas_own_5xx_is_retried_on_another_replica(fakes, make_lb):
+    # An engine that died under a request answers 500: the client must not see it while
+    # another replica can answer (nothing had reached the client).
+    a, b = fakes
+    lb = make_lb("round_robin", [Upstream("a", a.url), Upstream("b", b.url)])
+    for _ in range(4):
+        resp = complete(lb, fake_status={"a": 500})
+        assert resp.status_code == 200 and served_by(resp) == "b", resp.text
+    assert metric(lb.url, 'spot_lb_errors_total{kind="http_500"') >= 2
+    assert metric(lb.url, 'spot_lb_retries_total{reason="http_500"}') >= 2
 
 
 def test_connection_refused_is_retried_on_another_replica(fakes, make_lb):
