@@ -16,8 +16,9 @@ prompt + generated ids must reproduce an uninterrupted run exactly:
 Test knobs in the request body: `fake_token_delay` (s/token), `fake_status` (answer that
 HTTP status; {replica name: status}: only those do), `fake_die_after` ({replica name: n}: the
 process exits after streaming n tokens, as a killed replica would), `fake_stream_error`
-({"after": n, "status": s}: an error event in vLLM's shape after n tokens). Like vLLM, a request it cannot read gets a 400 (and a budget past
-its context of MAX_MODEL_LEN tokens too), never a 500. GET /_requests lists the bodies received
+({"after": n, "status": s}: an error event in vLLM's shape after n tokens). Like vLLM, a
+request it cannot read gets a 400 (and a budget past its context of MAX_MODEL_LEN tokens too),
+never a 500. GET /_requests lists the bodies received
 and their X-Request-Id (DELETE clears them).
 The replica's name is returned as `system_fingerprint`.
 """
