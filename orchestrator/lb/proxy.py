@@ -546,6 +546,22 @@ class LoadBalancer:
             return True
         return False
 
+    def _answer_failed(self, replica: str, status: int, excluded: set[str], tries: int) -> bool:
+        """A replica's own 5xx before any byte reached the client: the replica failed, not the
+        request (vLLM answers bad input with a 4xx): an engine that died under it, an
+        overloaded one. Leaves that replica out; True when another one may be asked."""
+        excluded.add(replica)
+        return self._try_failed(replica, f"http_{status}", tries)
+
+    async def _no_more_tries(self, send, handle: _Handle, tries: int, failed: tuple | None) -> None:
+        """No replica left to ask: the last replica's own 5xx answer (`failed`: status, body,
+        content type) is the client's, else a 503 / 502 of ours."""
+        if failed is None:
+            return await self._refuse(send, handle, tries)
+        handle.settle(False)
+        handle.done = True
+        await _send_json(send, *failed)
+
     # -- non-streamed requests ------------------------------------------------------------------
     async def _unary(self, method: str, target: str, raw: bytes, headers: dict, send, handle: _Handle,
                      usage: bool = False) -> None:
@@ -559,11 +575,7 @@ class LoadBalancer:
         while True:
             upstream = self._choose(excluded)
             if upstream is None:
-                if failed is not None:  # no other replica to ask: the replica's answer is the client's
-                    handle.settle(False)
-                    handle.done = True
-                    return await _send_json(send, *failed)
-                return await self._refuse(send, handle, tries)
+                return await self._no_more_tries(send, handle, tries, failed)
             replica = upstream.replica_id
             self._acquire(replica, handle)
             handle.waiting = True
@@ -591,18 +603,12 @@ class LoadBalancer:
             finally:
                 handle.waiting = False
                 self._release(replica, handle)
-            if status >= 500:
-                # The replica failed, not the request (vLLM answers bad input with a 4xx): an
-                # engine that died under it, an overloaded one. Nothing reached the client yet,
-                # so another replica is asked, as after a refused connection.
-                excluded.add(replica)
+            if status >= 500:  # nothing reached the client: another replica is asked
                 tries += 1
                 failed = (status, payload, content_type)
-                if self._try_failed(replica, f"http_{status}", tries):
+                if self._answer_failed(replica, status, excluded, tries):
                     continue
-                handle.settle(False)
-                handle.done = True
-                return await _send_json(send, status, payload, content_type)
+                return await self._no_more_tries(send, handle, tries, failed)
             if usage and status == 200:
                 self.metrics.output_tokens.inc(completion_tokens(payload) or 0)
             handle.settle(True)
@@ -615,10 +621,11 @@ class LoadBalancer:
         excluded: set[str] = set()
         tries = 0
         started = False
+        failed: tuple[int, bytes, bytes] | None = None  # the last replica's own 5xx answer
         while True:
             upstream = self._choose(excluded)
             if upstream is None:
-                return await self._refuse(send, handle, tries)
+                return await self._no_more_tries(send, handle, tries, failed)
             replica = upstream.replica_id
             self._acquire(replica, handle)
             handle.waiting = True
@@ -626,6 +633,12 @@ class LoadBalancer:
                 async with await _request(session, "POST", upstream.url + path, raw, headers) as resp:
                     if resp.status != 200:
                         payload = await resp.read()
+                        if resp.status >= 500:  # before the first byte: another replica is asked
+                            tries += 1
+                            failed = (resp.status, payload, _JSON)
+                            if self._answer_failed(replica, resp.status, excluded, tries):
+                                continue
+                            return await self._no_more_tries(send, handle, tries, failed)
                         handle.done = True
                         return await _send_json(send, resp.status, payload)
                     await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})

@@ -153,6 +153,13 @@ def test_a_replicas_own_5xx_is_retried_on_another_replica(fakes, make_lb):
         assert resp.status_code == 200 and served_by(resp) == "b", resp.text
     assert metric(lb.url, 'spot_lb_errors_total{kind="http_500"') >= 2
     assert metric(lb.url, 'spot_lb_retries_total{reason="http_500"}') >= 2
+    # A stream the LB cannot continue (echo) whose first replica answers 500 before its first
+    # byte: asked again elsewhere too.
+    for _ in range(2):
+        resp = httpx.post(lb.url + "/v1/completions", timeout=30, json={
+            "model": "fake", "prompt": "hello", "max_tokens": 4, "stream": True, "echo": True,
+            "fake_status": {"a": 500}})
+        assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]"), resp.text
 
 
 def test_connection_refused_is_retried_on_another_replica(fakes, make_lb):
