@@ -133,11 +133,13 @@ def preempt_mid_stream(lb: LoadBalancer, urls: dict, controls: dict, model: str,
     http = httpx.Client()
     a, b = f"a-{run}", f"b-{run}"
     lb.set_replicas([Upstream(a, urls["a"]), Upstream(b, urls["b"], ready=False)])
+    # B's records before the run, read before the stream starts: read at the notice, this
+    # round trip let a fast stream finish on A before the cut (nothing migrated, no seam).
+    seen = {r["request_id"] for r in (connector_stats(http, controls["b"], AUTH) or {}).get("recent_requests", ())}
     client = Client(lb.url, model, prompt)
     deadline = time.monotonic() + 900
     while len(client.ids) < GENERATED_AT_NOTICE and client.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    seen = {r["request_id"] for r in (connector_stats(http, controls["b"], AUTH) or {}).get("recent_requests", ())}
+        time.sleep(0.001)
     noticed_at = time.monotonic()
     lb.set_replicas([Upstream(a, urls["a"], draining=True), Upstream(b, urls["b"])])
     flushed, at_cut = [], []
@@ -163,6 +165,19 @@ def preempt_mid_stream(lb: LoadBalancer, urls: dict, controls: dict, model: str,
         "max_stall_s": None if not seam else client.at[seam] - client.at[seam - 1], "seam": seam,
         "records": records,
     }
+
+
+def measured(lb: LoadBalancer, urls: dict, controls: dict, model: str, prompt: list[int], run: str,
+             attempts: int = 3) -> dict:
+    """preempt_mid_stream, again (under a new run id) when the stream ended on A before the cut
+    reached it: a race of this benchmark's timing on a loaded machine, not a migration that
+    failed (a cut stream that did not resume is reported, never retried)."""
+    for attempt in range(1, attempts + 1):
+        result = preempt_mid_stream(lb, urls, controls, model, prompt, f"{run}{attempt}")
+        if result["requests"] or result["client"].error:
+            break
+    result["attempts"] = attempt
+    return result
 
 
 def main() -> None:
@@ -217,9 +232,9 @@ def main() -> None:
             generate(urls["b"], model, [rng.randrange(10, 500) for _ in range(PROMPT_TOKENS)], 8)
             http.close()
             lb.start()
-            migrated = preempt_mid_stream(lb, urls, controls, model, prompts[0], "migrate")
+            migrated = measured(lb, urls, controls, model, prompts[0], "migrate")
             stores.stop()  # no shard reachable: B recomputes the whole prefix
-            recomputed = preempt_mid_stream(lb, urls, controls, model, prompts[1], "recompute")
+            recomputed = measured(lb, urls, controls, model, prompts[1], "recompute")
             references = [generate(urls["a"], model, p) for p in prompts]
         finally:
             lb.stop()
@@ -246,7 +261,11 @@ def main() -> None:
         "prompt_tokens": PROMPT_TOKENS, "tokens_at_notice": GENERATED_AT_NOTICE, "dtype": DTYPE,
         "migrated_requests": [migrated["requests"], recomputed["requests"]],
         "flushed": migrated["flushed"],
-        "errors": [run["client"].error for run in runs if run["client"].error],
+        "attempts": [migrated["attempts"], recomputed["attempts"]],
+        # A half with no seam measured nothing: a failure of this benchmark, not a ratio to judge.
+        "errors": [run["client"].error for run in runs if run["client"].error]
+        + [f"the {name} half saw no token after the seam" for name, run in zip(("migrate", "recompute"), runs,
+                                                                                strict=True) if run["seam"] is None],
     }))
 
 
