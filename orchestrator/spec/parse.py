@@ -627,12 +627,12 @@ def _parse_kv(f: _Fields, resources: Resources) -> KVSpec:
     kv = KVSpec(
         enabled=f.boolean("enabled", True),
         k=f.integer("k", 4, minimum=1, maximum=32),
-        m=f.integer("m", 2, minimum=0, maximum=32),
+        m=f.integer("m", 2, minimum=1, maximum=32),  # the codec needs one parity shard
         failure_domain=f.string("failure_domain", "zone", choices=KV_FAILURE_DOMAINS),
         store_max_bytes=_parse_size(f, "store_max_bytes", 1 << 30),
         ttl_seconds=f.number("ttl_seconds", 3600.0, positive=True),
     )
-    if kv.enabled and kv.m > 0 and f.has("failure_domain"):  # asked for: the default only warns at runtime
+    if kv.enabled and f.has("failure_domain"):  # asked for: the default only warns at runtime
         _check_survivable(f, kv, resources)
     return kv
 

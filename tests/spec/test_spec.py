@@ -274,6 +274,7 @@ BAD = [
     (spec_of(engine={"model": "tiny", "args": {"a": 1}}),
      "engine.args: expected a list of vLLM command-line arguments, got a mapping"),
     (spec_of(kv={"k": 0}), "kv.k: expected a value >= 1, got 0"),
+    (spec_of(kv={"m": 0}), "kv.m: expected a value >= 1, got 0"),  # the codec needs a parity shard
     (spec_of(kv={"store_max_bytes": "lots"}),
      "kv.store_max_bytes: expected bytes or a size like '2GiB' or '512MB', got 'lots'"),
     (spec_of(kv={"enabeld": True}), "kv.enabeld: unknown key; did you mean 'enabled'?"),
