@@ -150,7 +150,7 @@ class ReplicaLauncher:
             secret = kv_secret_file(spec.name) if runtime.on_this_host else VM_SECRET_FILE
             tls_dir = kv["kv_connector_extra_config"]["tls_ca_file"].rsplit("/", 1)[0]
             args += ["--agent-port", "{agent_port}", "--secret-file", str(secret), "--tls-dir", tls_dir]
-            args += ["--store-max-bytes", str(spec.kv.store_max_bytes)]
+            args += ["--store-max-bytes", str(spec.kv.store_max_bytes), "--store-ttl", f"{spec.kv.ttl_seconds:g}"]
         if runtime.notice_watcher and self.daemon_url:
             # The agent watches the cloud's metadata for notices and reports them.
             args += ["--watch", runtime.notice_watcher, "--api", self.daemon_url]

@@ -143,6 +143,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--agent-port", type=int)
     parser.add_argument("--secret-file")
     parser.add_argument("--store-max-bytes", type=int)
+    parser.add_argument("--store-ttl", type=float, help="seconds a shard lives after its last use (kv.ttl_seconds)")
     parser.add_argument("--tls-dir", help="the shard store's certificate, key and the service CA")
     parser.add_argument("--watch", metavar="CLOUD", help="run this cloud's notice watcher")
     parser.add_argument("--api", help="the daemon's URL, for notices")
@@ -170,6 +171,8 @@ def agent_command(opts: argparse.Namespace) -> list[str] | None:
         agent += ["--secret-file", opts.secret_file]
     if opts.store_max_bytes:
         agent += ["--max-bytes", str(opts.store_max_bytes)]
+    if opts.store_ttl:
+        agent += ["--ttl", f"{opts.store_ttl:g}"]
     if opts.tls_dir and opts.agent_port:
         agent += ["--tls-dir", opts.tls_dir]
     if opts.host:
