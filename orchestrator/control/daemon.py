@@ -37,7 +37,7 @@ from apscheduler.executors.pool import ThreadPoolExecutor as APThreadPool
 from apscheduler.schedulers.background import BackgroundScheduler
 
 
-from orchestrator.control import auth, costing, discovery, orphans, tls
+from orchestrator.control import auth, costing, discovery, kvtls, orphans, tls
 from orchestrator.control.leader import Leadership, display_url
 from orchestrator.control.standby import StandbyAPI
 
@@ -304,6 +304,7 @@ class Daemon:
                 lb.stop()
             self._remove_network(name)
             self.store.delete_bootstrap_tokens(name)
+            kvtls.forget_service(name)
             final = self._final_cost(name, lb)
             self.store.delete_service(name)
             message = "all replicas terminated" + (f"; {costing.summary(final)}" if final else "")

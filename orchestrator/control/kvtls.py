@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import NamedTuple
@@ -128,3 +129,9 @@ def write_credentials(folder: Path, creds: StoreCredentials) -> Path:
 def replica_files(service: str, replica_id: str) -> Path:
     """A local replica's TLS folder (`<state>/services/<name>/kv-tls/<replica_id>`), issued now."""
     return write_credentials(auth.service_secret_path(service, "kv-tls") / replica_id, issue(service, replica_id))
+
+
+def forget_service(service: str) -> None:
+    """Delete the TLS folders of a service's local replicas (the daemon, once the service is
+    gone: every replica is terminated, and a key nobody uses should not stay on disk)."""
+    shutil.rmtree(auth.service_secret_path(service, "kv-tls"), ignore_errors=True)
