@@ -286,7 +286,7 @@ def test_preemptions_no_client_sees(state_home, tiny_model, monkeypatch):
         assert data["max_recomputed_tokens"] <= BLOCK, data  # at most the last partial block
         assert metric(lb_url, 'spot_lb_migrations_total{mode="resume",reason="cut"}') == data["requests"]
         assert daemon_metric('spot_migration_kv_loaded_tokens_total{service="mig"}') == data["loaded_tokens"]
-        assert daemon_metric('spot_migration_flushes_total{service="mig",result="ok"}') == 1
+        assert daemon_metric('spot_migration_flushes_total{result="ok",service="mig"}') == 1
         assert metric(lb_url, "spot_lb_stall_seconds_count") == data["requests"]
         wait_for(lambda: _states(client)[first] == "PREEMPTED", 120, "the victim to be PREEMPTED", 1)
         assert {r["replica_id"]: r["state"] for r in status("mig")["replicas"]}[first] == "PREEMPTED"
@@ -342,7 +342,7 @@ def test_preemptions_no_client_sees(state_home, tiny_model, monkeypatch):
         assert data["loaded_tokens"] == 0 and data["recomputed_tokens"] > 0
         assert daemon_metric('spot_migration_kv_loaded_tokens_total{service="mig"}') == loaded_before
         assert daemon_metric('spot_migration_kv_recomputed_tokens_total{service="mig"}') > recomputed_before
-        assert daemon_metric('spot_migration_notices_total{service="mig",outcome="lost"}') == 1
-        assert daemon_metric('spot_migration_flushes_total{service="mig",result="skipped"}') == 1
+        assert daemon_metric('spot_migration_notices_total{outcome="lost",service="mig"}') == 1
+        assert daemon_metric('spot_migration_flushes_total{result="skipped",service="mig"}') == 1
         assert metric(lb_url, "spot_lb_continuation_failures_total") == 0
         wait_for(lambda: _states(client)[last] in ("PREEMPTED", "TERMINATED"), 120, "the lost replica gone", 1)
