@@ -141,6 +141,10 @@ class DataPlane:
 
         threading.Thread(target=check, daemon=True).start()
 
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
     def stop_all(self) -> None:
         with self._lock:
             self._closing = True
@@ -220,7 +224,9 @@ def create_app(plane: DataPlane, token: str) -> FastAPI:
         return await call_next(request)
 
     @app.get("/v1/health")
-    def health() -> dict:
+    def health():
+        if plane.closing:  # the daemon starts a new one once this one is gone
+            return JSONResponse({"status": "exiting", "pid": os.getpid()}, status_code=503)
         return {"status": "ok", "pid": os.getpid(), "services": sorted(plane.lbs)}
 
     @app.get("/v1/lbs")
