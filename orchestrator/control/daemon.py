@@ -7,8 +7,8 @@ Each job calls one function of the library, so the daemon stays small:
     orphans    every 30 s  OrphanSweeper.sweep() (and once at start): machines nobody owns
 All state is in the store; a restarted daemon rebuilds controllers and policies from it
 (policies by replaying the events table) and adopts the load balancers, which `serve` keeps in
-the data-plane process (orchestrator.control.dataplane) so that they outlive it. One daemon per state directory:
-`serve` holds `daemon.lock` there (fcntl) for its lifetime, whatever its port, and refuses a
+the data-plane process (orchestrator.control.dataplane) so that they outlive it. One daemon per
+state directory: `serve` holds `daemon.lock` there (fcntl) for its lifetime, whatever its port, and refuses a
 lost state database while managed machines run (orchestrator.control.orphans). Daemons on
 other hosts sharing one PostgreSQL database: one leads (orchestrator.control.leader), the others
 wait as standbys, their API answering only /v1/health (orchestrator.control.standby).
