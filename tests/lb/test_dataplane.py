@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import stat
 import threading
 
@@ -120,3 +121,23 @@ def test_a_data_plane_found_dead_is_started_again_and_fed(state_home, fakes):
     assert balancers.client.pid != first and alive(balancers.client.pid)
     r = httpx.post(lb.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200 and r.json()["system_fingerprint"] == "a"  # same port, same replicas
+
+
+def test_tls_is_the_services_and_switching_it_restarts_only_that_lb(state_home, tmp_path, fakes):
+    from tests.control.test_tls import self_signed
+
+    certfile, keyfile = self_signed(tmp_path)
+    balancers = RemoteBalancers()
+    port = free_port()
+    lb = balancers.open("svc", "127.0.0.1", port, None, "least_load")
+    lb.set_replicas([Upstream("svc-1", fakes[0].url)])
+    assert lb.url.startswith("http://")
+    lb = balancers.open("svc", "127.0.0.1", port, (certfile, keyfile), "least_load")
+    lb.set_replicas([Upstream("svc-1", fakes[0].url)])
+    assert lb.url == f"https://127.0.0.1:{port}"
+    r = httpx.post(lb.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}, timeout=30,
+                   verify=ssl.create_default_context(cafile=certfile))
+    assert r.status_code == 200
+    body = balancers.client.call("PUT", "/v1/lbs/svc", json={"port": port, "certfile": certfile,
+                                                             "keyfile": keyfile}).json()
+    assert body["started"] is False  # the same port and TLS: the running LB is kept
