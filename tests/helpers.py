@@ -58,15 +58,26 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] not in "ZX"
 
 
-def stop_autostarted_daemon(grace_s: float = 15.0) -> None:
-    """Stop the daemon a spotctl verb started in this test's SPOT_ORCHESTRATOR_HOME, if any
-    (SIGTERM, then SIGKILL after `grace_s`)."""
+def stop_autostarted_daemon(grace_s: float = 15.0, home: Path | None = None) -> None:
+    """Stop the daemon a spotctl verb started in this test's SPOT_ORCHESTRATOR_HOME (or `home`),
+    if any, and the data plane it left serving (SIGTERM, then SIGKILL after `grace_s`)."""
+    import json
+
+    from orchestrator.common import paths
+
+    home = home or paths.home()
+    for record in ("daemon.json", "dataplane.json"):
+        try:
+            pid = int(json.loads((home / record).read_text()).get("pid", 0))
+        except (OSError, ValueError):
+            continue
+        stop_process(pid, grace_s)
+
+
+def stop_process(pid: int, grace_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`; not this process, not one already gone."""
     import signal
 
-    from orchestrator.control.discovery import read_daemon_info
-
-    info = read_daemon_info()
-    pid = int((info or {}).get("pid", 0))
     if pid <= 0 or pid == os.getpid() or not alive(pid):
         return
     with contextlib.suppress(ProcessLookupError):

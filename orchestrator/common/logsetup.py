@@ -64,4 +64,7 @@ def configure_daemon(level: str | None = None) -> None:
     lb_handler = logging.FileHandler(paths.logs_dir() / "lb.log")
     lb_handler.setFormatter(formatter)
     logging.getLogger("orchestrator.lb").addHandler(lb_handler)
-    logging.getLogger("apscheduler").setLevel(max(numeric, logging.WARNING))
+    # Their debug lines are every connection's steps (the data plane's admin calls every probe
+    # pass among them): at debug they would bury the daemon's own lines.
+    for noisy in ("apscheduler", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(numeric, logging.WARNING))

@@ -5,9 +5,10 @@ Each job calls one function of the library, so the daemon stays small:
     probe      every 2 s   Controller.probe() for each service
     prices     per cloud   pricebook.refresh_prices() (clouds whose quotes are cached)
     orphans    every 30 s  OrphanSweeper.sweep() (and once at start): machines nobody owns
-All state is in the store; a restarted daemon rebuilds controllers, load balancers and
-policies from it (policies by replaying the events table). One daemon per state directory:
-`serve` holds `daemon.lock` there (fcntl) for its lifetime, whatever its port, and refuses a
+All state is in the store; a restarted daemon rebuilds controllers and policies from it
+(policies by replaying the events table) and adopts the load balancers, which `serve` keeps in
+the data-plane process (orchestrator.control.dataplane) so that they outlive it. One daemon per
+state directory: `serve` holds `daemon.lock` there (fcntl) for its lifetime, whatever its port, and refuses a
 lost state database while managed machines run (orchestrator.control.orphans). Daemons on
 other hosts sharing one PostgreSQL database: one leads (orchestrator.control.leader), the others
 wait as standbys, their API answering only /v1/health (orchestrator.control.standby).
@@ -44,7 +45,7 @@ from orchestrator.control.standby import StandbyAPI
 from orchestrator.common import logsetup, paths
 from orchestrator.control.controller import Controller
 from orchestrator.common.errors import UserError
-from orchestrator.lb.proxy import LoadBalancer
+from orchestrator.control.balancers import Balancers, InProcessBalancers, ServiceBalancer
 from orchestrator.control.pricebook import PriceBook, refresh_prices
 from orchestrator.control.migration import Migrator
 from orchestrator.control.metrics import DaemonMetrics
@@ -111,6 +112,7 @@ class Daemon:
         launcher: ReplicaLauncher | None = None,
         policy_factory: Callable[[str], PlacementPolicy] = load_policy,
         public_url: str | None = None,
+        balancers: Balancers | None = None,
     ):
         self.store = store or Store()
         # The URL replica VMs reach the daemon at; its own URL when unset (only the machines
@@ -125,9 +127,13 @@ class Daemon:
         self._provider_factory = provider_factory
         self.providers: dict[str, Provider] = {}
         self.controllers: dict[str, Controller] = {}
-        self.lbs: dict[str, LoadBalancer] = {}
-        self.migrator = Migrator(self.store, self.controllers, self.lbs, self.provider, self.reconcile_service)
-        self.metrics = DaemonMetrics(self.store, self.lbs)  # GET /metrics
+        # Each service's load balancer: in this process (tests that build a Daemon), or in the
+        # data-plane process that outlives the daemon (serve(): orchestrator.control.dataplane).
+        self.balancers = balancers or InProcessBalancers()
+        self.lbs: dict[str, ServiceBalancer] = {}
+        self.metrics = DaemonMetrics(self.store, self.balancers.metrics_text)  # GET /metrics
+        self.migrator = Migrator(self.store, self.controllers, self.lbs, self.provider, self.reconcile_service,
+                                 registry=self.metrics.registry)
         self.book = PriceBook()  # live quotes of the real clouds in use (the local cloud prices itself)
         self.orphans = orphans.OrphanSweeper(self.store, self.provider)
         self._lock = threading.RLock()
@@ -219,15 +225,10 @@ class Daemon:
         row = self.store.get_service(name)
         spec = spec_from_json(row.spec_json)
         clouds = self.spec_clouds(spec)
-        lb = self.lbs.get(name)
         cert = tls.service_tls(spec)
-        if lb is not None and lb.url.startswith("https") != bool(cert):  # TLS switched on or off
-            self.lbs.pop(name).stop()
-            lb = None
-        if lb is None:
-            lb = LoadBalancer(policy=spec.service.load_balancing_policy)
-            lb.start(self.host, row.lb_port, (cert.certfile, cert.keyfile) if cert else None)
-            self.lbs[name] = lb
+        lb = self.balancers.open(name, self.host, row.lb_port, (cert.certfile, cert.keyfile) if cert else None,
+                                 spec.service.load_balancing_policy)
+        self.lbs[name] = lb
         controller = Controller(
             name,
             self.store,
@@ -276,8 +277,14 @@ class Daemon:
         return refresh_prices(clouds, self.book, self.store) if clouds else 0
 
     def restore_services(self) -> None:
-        """After a restart: a controller and a load balancer for every stored service."""
-        for row in self.store.list_services():
+        """After a restart: a controller and a load balancer for every stored service (the
+        data plane's running LBs adopted as they are; those of services gone are stopped)."""
+        rows = self.store.list_services()
+        try:
+            self.balancers.adopt(row.name for row in rows)
+        except Exception as err:  # opening each service's LB below starts a data plane again
+            log.error("the running load balancers could not be adopted: %s", err)
+        for row in rows:
             try:
                 self._start_service(row.name)
             except Exception as err:  # one broken service must not keep the others down
@@ -300,18 +307,17 @@ class Daemon:
                 controller.close()
             self.controllers.pop(name, None)
             lb = self.lbs.pop(name, None)
-            if lb is not None:
-                lb.stop()
+            final = self._final_cost(name, lb)  # before the LB (and its token count) goes
+            self.balancers.stop(name)
             self._remove_network(name)
             self.store.delete_bootstrap_tokens(name)
             kvtls.forget_service(name)
-            final = self._final_cost(name, lb)
             self.store.delete_service(name)
             message = "all replicas terminated" + (f"; {costing.summary(final)}" if final else "")
             self.store.record_event("service_deleted", service=name, data={"cost": final} if final else None,
                                     message=message)
 
-    def cost(self, name: str, lb: LoadBalancer | None = None) -> costing.CostReport:
+    def cost(self, name: str, lb: ServiceBalancer | None = None) -> costing.CostReport:
         """What the service has cost (GET /v1/cost): its replica rows, terminal ones included,
         priced by what was recorded at launch, else by its offers now; its LB's token count."""
         row = self.store.get_service(name)
@@ -326,10 +332,15 @@ class Daemon:
         replicas = costing.billed_replicas(self.store.list_replicas(name, include_terminal=True),
                                            self.store.list_events(service=name, kinds=["transition"]))
         lb = lb or self.lbs.get(name)
-        tokens = costing.TokenCount(lb.metrics.output_tokens_total(), lb.metrics.counting_since) if lb else None
+        tokens = None
+        if lb is not None:
+            try:
+                tokens = costing.TokenCount(*lb.output_tokens())
+            except Exception as err:  # the data plane away for a moment: the cost without $/M tokens
+                log.warning("cost of %s: no token count from its load balancer: %s", name, err)
         return costing.service_cost(name, replicas, costing.quote_lookup(offers), time.time(), tokens)
 
-    def _final_cost(self, name: str, lb: LoadBalancer | None) -> dict | None:
+    def _final_cost(self, name: str, lb: ServiceBalancer | None) -> dict | None:
         """The cost report kept in the service_deleted event: the replica rows go with the
         service. None (logged) when it cannot be made: that must not keep `down` from ending."""
         try:
@@ -375,6 +386,10 @@ class Daemon:
             self._reconcile_pool.submit(self.reconcile_service, name)
 
     def probe_all(self) -> None:
+        try:
+            self.balancers.check()  # a data plane that died is started again and re-fed
+        except Exception:
+            log.exception("the data plane check failed")
         for name, controller in list(self.controllers.items()):
             try:
                 _timed(f"probe of {name}", controller.probe)
@@ -399,11 +414,11 @@ class Daemon:
         self.scheduler.start()
 
     def shutdown(self) -> None:
-        """Stop jobs and load balancers; replicas keep running (a restart adopts them)."""
+        """Stop jobs and in-process load balancers; replicas and a data plane keep running (a
+        restart adopts them)."""
         if self.scheduler.running:
             self.scheduler.shutdown(wait=False)
-        for lb in self.lbs.values():
-            lb.stop()
+        self.balancers.shutdown()
         for controller in self.controllers.values():
             controller.close()
         self._reconcile_pool.shutdown(wait=False, cancel_futures=True)
@@ -529,7 +544,9 @@ def serve(host: str = "127.0.0.1", port: int = discovery.DEFAULT_PORT, public_ur
     # Nothing below (state check, restore, orphan sweep, jobs) may run before this daemon leads.
     leadership = lead(host, port, cert)  # noqa: F841 - held for the life of the process
     store = orphans.open_store()
-    daemon = Daemon(store=store, host=host, public_url=public_url)
+    from orchestrator.control.dataplane import RemoteBalancers
+
+    daemon = Daemon(store=store, host=host, public_url=public_url, balancers=RemoteBalancers())
     orphans.check_state(store, daemon.provider)
     server = DaemonServer(daemon, host, port, cert)
     signal.signal(signal.SIGTERM, lambda *_: setattr(server.server, "should_exit", True))

@@ -2,27 +2,28 @@
 
 Read at scrape time, so no stale series remain: the fleet by state, market, cloud and zone and
 its $/hour from the store (`spot_replicas`, `spot_fleet_cost_per_hour`, priced by
-orchestrator.control.costing), and each service's spot_migration_* counters from its load
-balancer's registry (where the migrator counts them) with a `service` label added. Counted as
-they happen, by the controllers (`FleetCounters`): preemptions, notices and launch failures by
-kind. The daemon makes one `DaemonMetrics` and hands its counters to every controller.
+orchestrator.control.costing). Counted as they happen, by the controllers (`FleetCounters`):
+preemptions, notices and launch failures by kind; by the migrator, in this registry, each
+service's spot_migration_*. The daemon makes one `DaemonMetrics` and hands its counters to
+every controller and its registry to the migrator.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily
 
 from orchestrator.control import costing
 from policies.base import EventKind
 from providers.base import AuthError, CapacityError, ProviderError, QuotaError, TransientError
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_MIGRATION_PREFIX = "spot_migration_"
+log = logging.getLogger(__name__)
 
 
 def failure_kind(err: BaseException) -> str:
@@ -87,32 +88,21 @@ def _no_quote(*_where) -> None:
     return None
 
 
-class _MigrationCollector:
-    """Each service LB's spot_migration_* samples, labelled with the service."""
-
-    def __init__(self, lbs: Mapping[str, object]):
-        self._lbs = lbs
-
-    def collect(self):
-        families: dict[str, Metric] = {}
-        for service, lb in sorted(dict(self._lbs).items()):
-            for family in lb.metrics.registry.collect():
-                if not family.name.startswith(_MIGRATION_PREFIX):
-                    continue
-                out = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
-                for s in family.samples:
-                    out.add_sample(s.name, {"service": service, **s.labels}, s.value, s.timestamp, s.exemplar)
-        yield from families.values()
-
-
 class DaemonMetrics:
-    """The daemon's registry: `counters` for the controllers, `render` for GET /metrics."""
+    """The daemon's registry: `counters` for the controllers, the migrator's (its `registry`),
+    `render` for GET /metrics, followed by `lb_text()`: the data plane's LBs, each sample with
+    its service label (empty for load balancers in this process, which serve their own)."""
 
-    def __init__(self, store, lbs: Mapping[str, object], clock: Callable[[], float] = time.time):
+    def __init__(self, store, lb_text: Callable[[], bytes] = bytes, clock: Callable[[], float] = time.time):
         self.registry = CollectorRegistry()
         self.counters = FleetCounters(self.registry)
         self.registry.register(_FleetCollector(store, clock))
-        self.registry.register(_MigrationCollector(lbs))
+        self._lb_text = lb_text
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        try:
+            lbs = self._lb_text()
+        except Exception as err:  # the data plane away for a moment: the daemon's own still answer
+            log.warning("the data plane's metrics are unavailable: %s", err)
+            lbs = b""
+        return generate_latest(self.registry) + lbs

@@ -7,7 +7,7 @@ controller marks it DRAINING and a replacement is asked for now; the LB cuts its
 replica's connector flushes its unstored KV blocks, and only then are the cut streams continued
 on healthy replicas, which load the prefix from the shard stores. A notice whose deadline has
 passed is an immediate loss (no flush). What the continuations loaded and recomputed goes to the
-LB's /metrics (spot_migration_*) and the events. docs/preemption.md has each step's reason.
+daemon's /metrics (spot_migration_*, by service) and the events. docs/preemption.md has each step's reason.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httpx
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from orchestrator.fleet import decisions
 from orchestrator.lb.continuation import seam_id_in
@@ -31,8 +30,8 @@ from orchestrator.control.store import ReplicaRow, Store
 from providers.base import Notice, NoticeKind, Provider
 
 if TYPE_CHECKING:  # type hints only: the daemon wires the live objects in
+    from orchestrator.control.balancers import ServiceBalancer
     from orchestrator.control.controller import Controller
-    from orchestrator.lb.proxy import LoadBalancer
 
 log = logging.getLogger(__name__)
 
@@ -44,21 +43,24 @@ MIGRATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class MigrationMetrics:
-    """The preemption path's counters, registered in the service load balancer's registry
-    so one scrape of the service endpoint's /metrics shows seams and KV outcomes together."""
+    """The preemption path's counters, labelled by service, in the daemon's registry (its
+    /metrics): the migrator runs in the daemon, whichever process hosts the load balancers."""
 
     def __init__(self, registry):
-        self.notices = Counter("spot_migration_notices", "Notices acted on", ["outcome"], registry=registry)
-        self.flushes = Counter("spot_migration_flushes", "KV flushes of noticed replicas", ["result"],
+        self.notices = Counter("spot_migration_notices", "Notices acted on", ["service", "outcome"],
                                registry=registry)
-        self.requests = Counter("spot_migration_requests", "In-flight requests of noticed replicas", ["result"],
-                                registry=registry)
+        self.flushes = Counter("spot_migration_flushes", "KV flushes of noticed replicas", ["service", "result"],
+                               registry=registry)
+        self.requests = Counter("spot_migration_requests", "In-flight requests of noticed replicas",
+                                ["service", "result"], registry=registry)
         self.loaded_tokens = Counter("spot_migration_kv_loaded_tokens",
-                                     "Prompt tokens the continuations loaded from the shard stores", registry=registry)
+                                     "Prompt tokens the continuations loaded from the shard stores", ["service"],
+                                     registry=registry)
         self.recomputed_tokens = Counter("spot_migration_kv_recomputed_tokens",
-                                         "Prompt tokens the continuations had to recompute", registry=registry)
+                                         "Prompt tokens the continuations had to recompute", ["service"],
+                                         registry=registry)
         self.seconds = Histogram("spot_migration_seconds", "From the notice to every cut request resumed",
-                                 buckets=MIGRATION_BUCKETS, registry=registry)
+                                 ["service"], buckets=MIGRATION_BUCKETS, registry=registry)
 
 
 @dataclass(frozen=True)
@@ -106,9 +108,10 @@ class Migrator:
         self,
         store: Store,
         controllers: Mapping[str, Controller],
-        lbs: Mapping[str, LoadBalancer],
+        lbs: Mapping[str, ServiceBalancer],
         provider: Callable[[str], Provider],
         reconcile: Callable[[str], None],
+        registry: CollectorRegistry | None = None,
     ):
         self.store = store
         self.controllers = controllers
@@ -116,17 +119,12 @@ class Migrator:
         self.provider = provider
         self.reconcile = reconcile
         self._http = httpx.Client(timeout=FLUSH_TIMEOUT_S + 5)
-        self._metrics: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # The daemon's registry (its /metrics); a migrator on its own counts into one nobody reads.
+        self.metrics = MigrationMetrics(registry if registry is not None else CollectorRegistry())
         self._metrics_lock = threading.Lock()
         self.last_outcome: dict[str, KVOutcome] = {}  # replica id -> what its continuations got
         self._noticed: set[str] = set()  # replicas whose migration has begun (once per replica)
         self._notices_lock = threading.Lock()  # one batch of notices acted on at a time
-
-    def metrics(self, lb) -> MigrationMetrics:
-        with self._metrics_lock:
-            if lb not in self._metrics:
-                self._metrics[lb] = MigrationMetrics(lb.metrics.registry)
-            return self._metrics[lb]
 
     def _first_notice(self, replica_id: str) -> bool:
         """True once per replica: the same notice can arrive twice at once (the API's chaos
@@ -202,9 +200,9 @@ class Migrator:
         lb = self.lbs.get(service)
         if lb is None:
             return
-        metrics = self.metrics(lb)
+        metrics = self.metrics
         victims = {r.replica_id for r, _n in batch}
-        started = [(replica, *self._start(lb, metrics, replica, notice)) for replica, notice in batch]
+        started = [(replica, *self._start(lb, replica, notice)) for replica, notice in batch]
         results = []
         for replica, future, lost, end_now in started:
             try:
@@ -217,15 +215,15 @@ class Migrator:
         if not results:
             return
         took = time.monotonic() - received
-        metrics.seconds.observe(took)
+        metrics.seconds.labels(service).observe(took)
         for _r, _l, result in results:
-            metrics.requests.labels("resumed").inc(result.resumed)
-            metrics.requests.labels("failed").inc(result.failed)
+            metrics.requests.labels(service, "resumed").inc(result.resumed)
+            metrics.requests.labels(service, "failed").inc(result.failed)
         continuations = {sid for _r, _l, result in results for sid in result.continuation_ids}
         peers = [r for r in self._peers(service) if r.replica_id not in victims]  # where they may have landed
         outcome = self._kv_outcome(peers, continuations) if continuations and peers else KVOutcome()
-        metrics.loaded_tokens.inc(outcome.loaded_tokens)
-        metrics.recomputed_tokens.inc(outcome.recomputed_tokens)
+        metrics.loaded_tokens.labels(service).inc(outcome.loaded_tokens)
+        metrics.recomputed_tokens.labels(service).inc(outcome.recomputed_tokens)
         for replica, lost, result in results:
             self.last_outcome[replica.replica_id] = outcome
             together = f" (KV for all {len(results)} replicas noticed together)" if len(results) > 1 else ""
@@ -241,22 +239,24 @@ class Migrator:
                       "seconds": round(took, 3), "lost": lost, "batch": sorted(victims)},
             )
 
-    def _start(self, lb, metrics: MigrationMetrics, replica: ReplicaRow, notice: Notice):
-        """lb.migrate() for one replica: (its future, lost, the hook that ends it now or None)."""
+    def _start(self, lb, replica: ReplicaRow, notice: Notice):
+        """lb.migrate() for one replica (in this process or the data plane's: one interface,
+        orchestrator.control.balancers): (its future, lost, the hook that ends it now or None)."""
         lost = notice.deadline <= time.time()
-        metrics.notices.labels("lost" if lost else "drained").inc()
+        metrics, service = self.metrics, replica.service
+        metrics.notices.labels(service, "lost" if lost else "drained").inc()
         ended = threading.Event()
 
         def flush() -> None:
             ok = self.flush(replica, timeout_s=max(0.5, min(FLUSH_TIMEOUT_S, notice.deadline - time.time())))
-            metrics.flushes.labels("ok" if ok else "failed").inc()
+            metrics.flushes.labels(service, "ok" if ok else "failed").inc()
 
         def end_now() -> None:
             """A passed deadline: nothing to flush from and nothing more to serve. Ended
             after the cut, so that every stream moves as a cut, not as a broken stream."""
             if not ended.is_set():
                 ended.set()
-                metrics.flushes.labels("skipped").inc()
+                metrics.flushes.labels(service, "skipped").inc()
                 threading.Thread(target=self._terminate, args=(replica,), daemon=True).start()
 
         future = lb.migrate(replica.replica_id, resume_timeout=RESUME_TIMEOUT_S,

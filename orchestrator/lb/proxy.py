@@ -1,6 +1,7 @@
 """OpenAI-compatible load balancer in front of one service's vLLM replicas.
 
-The daemon runs one per service, tells it the replica set (`set_replicas`), and its migrator
+The data plane (orchestrator.lb.dataplane; or the daemon itself, in-process) runs one per
+service; the daemon tells it the replica set (`set_replicas`), and its migrator
 drains and migrates replicas on notices (`drain`, `migrate`). It routes every `/v1/...` call to a
 ready replica (least_load or round_robin), retries a try that reaches no replica elsewhere (3
 tries, as SkyServe), and continues a broken or migrated stream on another replica token for token
@@ -225,6 +226,10 @@ class LoadBalancer:
 
     def replicas(self) -> list[Upstream]:
         return list(self._replicas.values())
+
+    def output_tokens(self) -> tuple[int, float]:
+        """(output tokens served, since when): what `spotctl cost` divides by."""
+        return self.metrics.output_tokens_total(), self.metrics.counting_since
 
     def _in_flight_series(self) -> dict[str, int]:
         """The in-flight gauge at scrape time: a replica that left the set is shown only while

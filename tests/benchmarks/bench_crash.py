@@ -11,14 +11,16 @@ it again (or `spotctl status` does), and the bench waits until the fleet converg
 operations first run without kills: the baseline the kills' convergence time is compared with.
 
 Printed, one JSON line: `kills`; `leaked` (machines or processes nobody owns once converged:
-a local-cloud instance that no live replica of the service records, or a replica process whose
-instance is gone); `duplicates` (two live machines tagged with one replica slot: service,
+a local-cloud instance that no live replica of the service records, a replica process whose
+instance is gone, or a data-plane process still running after the last `down`, or beside the
+recorded one); `duplicates` (two live machines tagged with one replica slot: service,
 incarnation, replica id); `stuck` (a replica in a transient state over 5 minutes, or a fleet
 that never converges); `false_preemptions` (replicas PREEMPTED whose machine no chaos notice
 targeted); `lost_streams` (streams through the load balancer that failed); `streams`;
 `converge_s_median` with kills, `baseline_converge_s_median` without, and their `ratio`.
-The load balancer runs inside the daemon on this branch, so a kill ends its streams by design:
-streams run only between kills (after each convergence), never across one; `streams_note` says so.
+The load balancers run in the data-plane process, which outlives the daemon: after each
+convergence a few streams run while the daemon is SIGKILLed once more (`stream_kills`), and
+every one of them must end whole.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class Bench:
         self.preempted_seen: set[str] = set()
         self.transient_since: dict[tuple[str, str], float] = {}
         self.result = {"kills": 0, "leaked": 0, "duplicates": 0, "stuck": 0, "false_preemptions": 0,
-                       "lost_streams": 0, "streams": 0}
+                       "lost_streams": 0, "streams": 0, "stream_kills": 0}
         self.problems: list[str] = []
 
     # ---- the user's path --------------------------------------------------------------------
@@ -267,24 +269,47 @@ class Bench:
                 self.problems.append(f"two machines for slot {key}: {sorted(ids)}")
 
     def streams(self, n: int = 3) -> None:
-        """Streams through the LB, between kills (the LB lives in the daemon on this branch)."""
-        import httpx
-
+        """Streams through the LB with the daemon SIGKILLed while they run: the data plane
+        serves them on; then the daemon is started again and the fleet converges."""
         svc = self.api(f"/v1/services/{SERVICE}")
         if not isinstance(svc, dict) or not svc.get("endpoint"):
             return
-        for _ in range(n):
-            self.result["streams"] += 1
-            try:
-                with httpx.stream("POST", svc["endpoint"] + "/v1/completions", timeout=30,
-                                  json={"model": SERVICE, "prompt": "hi", "max_tokens": 16, "stream": True}) as r:
-                    body = "".join(r.iter_text())
-                ok = r.status_code == 200 and "[DONE]" in body and '"error"' not in body
-            except httpx.HTTPError as err:
-                ok, body = False, repr(err)
-            if not ok:
-                self.result["lost_streams"] += 1
-                self.problems.append(f"stream failed: {body[:160]}")
+        threads = [threading.Thread(target=self.stream, args=(svc["endpoint"],)) for _ in range(n)]
+        for t in threads:
+            t.start()
+        time.sleep(self.rng.uniform(0.2, 1.0))
+        pid = self.daemon_pid()
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            self.result["stream_kills"] += 1
+        for t in threads:
+            t.join()
+        self.spotctl("status")  # any verb starts the daemon again
+        self.count_data_planes()
+        self.converge()
+
+    def stream(self, endpoint: str) -> None:
+        import httpx
+
+        self.result["streams"] += 1
+        try:
+            with httpx.stream("POST", endpoint + "/v1/completions", timeout=30,
+                              json={"model": SERVICE, "prompt": "hi", "max_tokens": 40, "stream": True,
+                                    "fake_token_delay": 0.05}) as r:
+                body = "".join(r.iter_text())
+            ok = r.status_code == 200 and "[DONE]" in body and '"error"' not in body
+        except httpx.HTTPError as err:
+            ok, body = False, repr(err)
+        if not ok:
+            self.result["lost_streams"] += 1
+            self.problems.append(f"stream failed: {body[:160]}")
+
+    def count_data_planes(self) -> None:
+        """More than one data plane for this state directory: the others are nobody's."""
+        extra = _data_planes(self.home)[1:]
+        if extra:
+            self.result["leaked"] += len(extra)
+            self.problems.append(f"data planes beside the recorded one: {extra}")
 
     def finish(self) -> None:
         """Down everything and look for whatever outlived it."""
@@ -298,6 +323,16 @@ class Bench:
         pid = self.daemon_pid()
         if pid and _alive(pid):
             os.kill(pid, signal.SIGTERM)
+        # No service left: the data plane exits on its own (after a 2 s grace).
+        deadline = time.monotonic() + 15
+        while _data_planes(self.home) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        planes = _data_planes(self.home)
+        self.result["leaked"] += len(planes)
+        if planes:
+            self.problems.append(f"data planes left after the last down: {planes}")
+            for plane in planes:
+                os.kill(plane, signal.SIGKILL)
         stuck = [k for k, since in self.transient_since.items() if time.monotonic() - since > STUCK_AFTER_S]
         self.result["stuck"] += len(stuck)
         false = self.preempted_seen - self.preempted_targets
@@ -328,6 +363,28 @@ def _replica_processes(home: Path) -> list[int]:
                 any(e.startswith(b"SPOT_ORCHESTRATOR_INSTANCE_ID=") for e in env) and _alive(int(entry.name)):
             found.append(int(entry.name))
     return found
+
+
+def _data_planes(home: Path) -> list[int]:
+    """The data-plane processes of this home (its `python -m orchestrator.lb.dataplane`), the
+    recorded one first."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry.name}/cmdline").read_bytes()
+            env = Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"orchestrator.lb.dataplane" in cmdline and f"SPOT_ORCHESTRATOR_HOME={home}".encode() in env \
+                and _alive(int(entry.name)):
+            found.append(int(entry.name))
+    try:
+        recorded = int(json.loads((home / "dataplane.json").read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        recorded = None
+    return sorted(found, key=lambda pid: pid != recorded)
 
 
 def _free_port() -> int:
@@ -368,7 +425,6 @@ def main() -> int:
     out["baseline_converge_s_median"] = round(statistics.median(baseline), 2) if baseline else None
     out["ratio"] = round(out["converge_s_median"] / out["baseline_converge_s_median"], 2) \
         if with_kills and baseline and out["baseline_converge_s_median"] else None
-    out["streams_note"] = "the LB runs in the daemon here: streams run between kills, never across one"
     out["seed"] = opts.seed
     if opts.verbose:
         for line in bench.problems:

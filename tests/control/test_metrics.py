@@ -73,13 +73,27 @@ def test_preemptions_notices_and_launch_failures_are_counted_by_kind():
 
 
 def test_each_services_migration_counters_show_with_a_service_label(tmp_path):
-    lbs = {"a": LoadBalancer(), "b": LoadBalancer()}
-    for name, lb in lbs.items():
-        MigrationMetrics(lb.metrics.registry).notices.labels("drained").inc(2 if name == "a" else 1)
-    seen = samples(DaemonMetrics(Store(f"sqlite:///{tmp_path / 'state.db'}"), lbs).render())
+    daemon = DaemonMetrics(Store(f"sqlite:///{tmp_path / 'state.db'}"))
+    migration = MigrationMetrics(daemon.registry)
+    migration.notices.labels("a", "drained").inc(2)
+    migration.notices.labels("b", "drained").inc(1)
+    seen = samples(daemon.render())
     assert seen[("spot_migration_notices_total", (("outcome", "drained"), ("service", "a")))] == 2
     assert seen[("spot_migration_notices_total", (("outcome", "drained"), ("service", "b")))] == 1
-    assert not any(name.startswith("spot_lb_") for name, _ in seen)  # those are each LB's own /metrics
+    assert not any(name.startswith("spot_lb_") for name, _ in seen)  # in-process LBs serve their own
+
+
+def test_the_data_planes_lb_metrics_follow_the_daemons_with_a_service_label(tmp_path):
+    from orchestrator.lb.admin import labelled_metrics
+
+    lbs = {"a": LoadBalancer(), "b": LoadBalancer()}
+    lbs["a"].metrics.output_tokens.inc(5)
+    lbs["b"].metrics.output_tokens.inc(7)
+    daemon = DaemonMetrics(Store(f"sqlite:///{tmp_path / 'state.db'}"), lambda: labelled_metrics(lbs))
+    seen = samples(daemon.render())
+    assert seen[("spot_lb_output_tokens_total", (("service", "a"),))] == 5
+    assert seen[("spot_lb_output_tokens_total", (("service", "b"),))] == 7
+    assert ("spot_replicas" in {name for name, _ in seen}) or "# TYPE spot_replicas gauge" in daemon.render().decode()
 
 
 def test_the_daemons_metrics_are_the_operators(state_home, monkeypatch):

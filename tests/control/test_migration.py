@@ -22,6 +22,7 @@ from providers.base import LaunchRequest
 from providers.local import LocalProvider
 from tests.helpers import FAKES, running_daemon, wait_for
 from tests.fakes.migration_harness import (
+    daemon_metric,
     Chats,
     busiest,
     chaos,
@@ -101,11 +102,12 @@ def test_notice_drains_cuts_and_continues_every_stream(daemon):
     assert states[victim["replica_id"]] == "DRAINING"  # at once, not at the next tick
     check_streams(chats.join(), reference)
     assert metric(lb_url, 'spot_lb_migrations_total{mode="resume",reason="cut"}') == in_flight
-    assert metric(lb_url, 'spot_migration_requests_total{result="resumed"}') == in_flight
+    assert daemon_metric('spot_migration_requests_total{result="resumed",service="mig"}') == in_flight
     assert metric(lb_url, "spot_lb_continuation_failures_total") == 0
     assert metric(lb_url, "spot_lb_migrated_tokens_total") >= CUT_AT * in_flight
     assert metric(lb_url, "spot_lb_stall_seconds_count") == in_flight
-    assert metric(lb_url, 'spot_migration_flushes_total{result="failed"}') == 1  # the fake has no connector
+    # The fake has no connector: its flush fails.
+    assert daemon_metric('spot_migration_flushes_total{result="failed",service="mig"}') == 1
 
     # At the deadline the local cloud kills it: PREEMPTED, with the story in the events.
     wait_for(lambda: {r["replica_id"]: r["state"] for r in status("mig")["replicas"]}.get(victim["replica_id"])
@@ -125,8 +127,8 @@ def test_notice_drains_cuts_and_continues_every_stream(daemon):
     handled = post_notice(client, "mig", victim["instance_id"], deadline=time.time() - 5)
     assert handled["replica_id"] == victim["replica_id"]
     check_streams(chats.join(), reference)
-    assert metric(lb_url, 'spot_migration_notices_total{outcome="lost"}') == 1
-    assert metric(lb_url, 'spot_migration_flushes_total{result="skipped"}') == 1
+    assert daemon_metric('spot_migration_notices_total{outcome="lost",service="mig"}') == 1
+    assert daemon_metric('spot_migration_flushes_total{result="skipped",service="mig"}') == 1
     assert metric(lb_url, "spot_lb_continuation_failures_total") == 0
     wait_for(lambda: {r["replica_id"]: r["state"] for r in service(client, "mig")["replicas"]}.get(
         victim["replica_id"]) in ("PREEMPTED", "TERMINATED"), 60, "the lost replica to be gone", 0.5)
@@ -149,7 +151,7 @@ def test_a_zone_preempted_at_once_loses_no_stream(daemon):
     check_streams(chats.join(), reference)
     # Both were DRAINING before either was cut: no continuation landed on the other victim.
     assert metric(lb_url, 'spot_lb_migrations_total{mode="resume",reason="cut"}') == cut
-    assert metric(lb_url, 'spot_migration_requests_total{result="resumed"}') == cut
+    assert daemon_metric('spot_migration_requests_total{result="resumed",service="mig"}') == cut
     wait_for(lambda: all(r["state"] == "PREEMPTED" for r in service(client, "mig")["replicas"]
                          if r["replica_id"] in victims), 60, "both victims PREEMPTED", 0.5)
 
@@ -162,7 +164,7 @@ def test_a_notice_from_the_clouds_control_plane_moves_the_streams_too(daemon):
     LocalProvider().inject_notice(victim["instance_id"], 3)  # as the cloud would: the daemon is not told
     check_streams(chats.join(), reference)
     assert metric(lb_url, 'spot_lb_migrations_total{mode="resume",reason="cut"}') == in_flight
-    assert metric(lb_url, 'spot_migration_notices_total{outcome="drained"}') == 1
+    assert daemon_metric('spot_migration_notices_total{outcome="drained",service="mig"}') == 1
 
 
 def test_the_cut_does_not_wait_for_a_busy_controller(daemon):

@@ -5,6 +5,7 @@ processes with a state directory each (two hosts), sharing the database and moto
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -137,9 +138,13 @@ class DaemonProcess:
         return self.log.read_text(errors="replace")
 
     def kill(self) -> None:
+        """The host dies: its daemon and the data plane beside it (which holds the ports the
+        other host's load balancers take over, on this one machine)."""
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
+        with contextlib.suppress(OSError, ValueError, ProcessLookupError):
+            os.kill(int(json.loads((self.home / "dataplane.json").read_text())["pid"]), signal.SIGKILL)
 
 
 @pytest.fixture

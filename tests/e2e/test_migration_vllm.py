@@ -45,6 +45,7 @@ from orchestrator.control import launch as replica_command
 from policies.base import Decision, PlacementPolicy, load_policy
 from tests.helpers import running_daemon, wait_for
 from tests.fakes.migration_harness import (
+    daemon_metric,
     Chats,
     chaos,
     check_streams,
@@ -284,8 +285,8 @@ def test_preemptions_no_client_sees(state_home, tiny_model, monkeypatch):
         assert data["loaded_tokens"] >= BLOCK * data["requests"]  # the prefixes came from the shards
         assert data["max_recomputed_tokens"] <= BLOCK, data  # at most the last partial block
         assert metric(lb_url, 'spot_lb_migrations_total{mode="resume",reason="cut"}') == data["requests"]
-        assert metric(lb_url, "spot_migration_kv_loaded_tokens_total") == data["loaded_tokens"]
-        assert metric(lb_url, 'spot_migration_flushes_total{result="ok"}') == 1
+        assert daemon_metric('spot_migration_kv_loaded_tokens_total{service="mig"}') == data["loaded_tokens"]
+        assert daemon_metric('spot_migration_flushes_total{result="ok",service="mig"}') == 1
         assert metric(lb_url, "spot_lb_stall_seconds_count") == data["requests"]
         wait_for(lambda: _states(client)[first] == "PREEMPTED", 120, "the victim to be PREEMPTED", 1)
         assert {r["replica_id"]: r["state"] for r in status("mig")["replicas"]}[first] == "PREEMPTED"
@@ -324,8 +325,8 @@ def test_preemptions_no_client_sees(state_home, tiny_model, monkeypatch):
         live = ready(svc)
         assert len(live) == 2
         _kill_agents({r["agent_endpoint"] for r in svc["replicas"] if r["agent_endpoint"]})
-        loaded_before = metric(lb_url, "spot_migration_kv_loaded_tokens_total")
-        recomputed_before = metric(lb_url, "spot_migration_kv_recomputed_tokens_total")
+        loaded_before = daemon_metric('spot_migration_kv_loaded_tokens_total{service="mig"}')
+        recomputed_before = daemon_metric('spot_migration_kv_recomputed_tokens_total{service="mig"}')
 
         def notice_too_late():
             with _held(d.lbs["mig"], live, 1) as (victim,):
@@ -339,9 +340,9 @@ def test_preemptions_no_client_sees(state_home, tiny_model, monkeypatch):
         assert data["lost"] and data["requests"] > 0 and data["failed"] == 0
         assert data["continuations"] == data["requests"], data
         assert data["loaded_tokens"] == 0 and data["recomputed_tokens"] > 0
-        assert metric(lb_url, "spot_migration_kv_loaded_tokens_total") == loaded_before
-        assert metric(lb_url, "spot_migration_kv_recomputed_tokens_total") > recomputed_before
-        assert metric(lb_url, 'spot_migration_notices_total{outcome="lost"}') == 1
-        assert metric(lb_url, 'spot_migration_flushes_total{result="skipped"}') == 1
+        assert daemon_metric('spot_migration_kv_loaded_tokens_total{service="mig"}') == loaded_before
+        assert daemon_metric('spot_migration_kv_recomputed_tokens_total{service="mig"}') > recomputed_before
+        assert daemon_metric('spot_migration_notices_total{outcome="lost",service="mig"}') == 1
+        assert daemon_metric('spot_migration_flushes_total{result="skipped",service="mig"}') == 1
         assert metric(lb_url, "spot_lb_continuation_failures_total") == 0
         wait_for(lambda: _states(client)[last] in ("PREEMPTED", "TERMINATED"), 120, "the lost replica gone", 1)

@@ -64,6 +64,16 @@ def metric(url: str, prefix: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
 
+def daemon_metric(prefix: str) -> float:
+    """The sum of the daemon's /metrics samples that start with `prefix` (the operator's token;
+    the migrator's spot_migration_* are there, labelled by service)."""
+    from orchestrator.control import discovery
+
+    url = discovery.read_daemon_info()["url"]
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {auth.read_token()}"}, timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
 @dataclass
 class Stream:
     """One streamed chat completion through the openai client, read in a thread."""
