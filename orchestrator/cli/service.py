@@ -1,7 +1,8 @@
-"""Service verbs: up, status, logs, down, events, chaos, daemon (the `sky serve` surface)."""
+"""Service verbs: up, update, status, logs, down, events, chaos, daemon (the `sky serve` surface)."""
 
 from __future__ import annotations
 
+import enum
 import json
 import sys
 import time
@@ -12,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.cli.client import DaemonClient
-from orchestrator.cli.wait import wait_ready
+from orchestrator.cli.wait import wait_ready, wait_updated
 from orchestrator.control.tls import service_tls
 from orchestrator.control.discovery import DEFAULT_PORT, DaemonStartFailed
 from orchestrator.common.errors import RuntimeFailure, UserError
@@ -50,19 +51,13 @@ def up(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Start or update a service (starts the daemon in the background when none runs)."""
-    from orchestrator.spec import load_spec
-
-    if not spec_file.exists():
-        raise UserError(f"{spec_file}: no such file")
-    spec = load_spec(spec_file)  # validate here too: errors without a round trip
-    service_tls(spec)  # missing or unreadable TLS files: one line, before the daemon starts
+    spec = _load(spec_file)
     envs = env_values(env, spec.task.get("envs") or {})
     if dry_run:
         _dry_run(spec, as_json)
         return
     client = DaemonClient.connect(start=True)
-    result = client.post("/v1/services", json={"yaml": spec_file.read_text(), "name": name or spec.name,
-                                               "envs": envs})
+    result = _send(client, spec_file, name or spec.name, envs, UpdateMode.rolling)
     if wait:
         wait_ready(client, result["name"], timeout, console, quiet=as_json)
     if as_json:
@@ -72,6 +67,56 @@ def up(
     console.print("  watch it:  spotctl status")
     console.print(f"  try it:    curl {result['endpoint']}/v1/completions -H 'Content-Type: application/json' "
                   f"-d '{{\"model\": \"{result['name']}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+
+
+class UpdateMode(str, enum.Enum):
+    rolling = "rolling"
+    blue_green = "blue-green"
+
+
+def update(
+    spec_file: Path = typer.Argument(..., help="The service's changed YAML."),
+    name: str = typer.Option(None, "--name", "-n", help="Service name (default: the YAML's `name`)."),
+    mode: UpdateMode = typer.Option(UpdateMode.rolling, "--mode", help="rolling: one replica at a time; "
+                                    "blue-green: the whole new set READY, then the old one drained."),
+    env: list[str] = typer.Option([], "--env", help="K=V for the spec's `envs` (K alone: from this environment)."),
+    wait: bool = typer.Option(False, "--wait", help="Show the replicas until every old one is replaced."),
+    timeout: float = typer.Option(1800, "--timeout", help="Seconds to wait with --wait."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Update a running service: replicas whose launch fields changed are replaced, the rest applies in place."""
+    spec = _load(spec_file)
+    envs = env_values(env, spec.task.get("envs") or {})
+    client = DaemonClient.connect(start=True)
+    name = name or spec.name
+    client.get(f"/v1/services/{name}")  # an unknown service: a one-line 404 (exit 2), nothing started
+    result = _send(client, spec_file, name, envs, mode)
+    if wait:
+        wait_updated(client, name, timeout, console, quiet=as_json)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    upd = result["update"] or {}
+    if upd.get("replacing"):
+        console.print(f"service [bold]{name}[/]: {upd['mode']} update to revision {upd['revision']}, "
+                      f"{upd['replacing']} replica(s) to replace" + ("" if wait else "; watch it: spotctl status"))
+    else:
+        console.print(f"service [bold]{name}[/]: updated in place (no replica to replace)")
+
+
+def _load(spec_file: Path):
+    from orchestrator.spec import load_spec
+
+    if not spec_file.exists():
+        raise UserError(f"{spec_file}: no such file")
+    spec = load_spec(spec_file)  # validate here too: errors without a round trip
+    service_tls(spec)  # missing or unreadable TLS files: one line, before the daemon starts
+    return spec
+
+
+def _send(client: DaemonClient, spec_file: Path, name: str, envs: dict, mode: UpdateMode) -> dict:
+    return client.post("/v1/services", json={"yaml": spec_file.read_text(), "name": name, "envs": envs,
+                                             "update_mode": mode.value})
 
 
 def env_values(pairs: list[str], declared: dict) -> dict[str, str]:
@@ -148,11 +193,13 @@ def status(
         return
     st = Table(title="Services", title_justify="left")
     verbose_cols = ("POLICY", "LB", "RESOURCES") if verbose else ()
-    for col in ("NAME", "STATUS", "REPLICAS", "ENDPOINT", "UPTIME", *verbose_cols):
+    for col in ("NAME", "STATUS", "REPLICAS", "ENDPOINT", "UPTIME", "UPDATE", *verbose_cols):
         st.add_column(col)
     for svc in services:
+        upd = svc["update"]
+        progress = f"{upd['mode']}: {upd['old']} old, {upd['new']} new" if upd["in_progress"] else "-"
         row = [svc["name"], svc["status"], f"{svc['replicas_ready']}/{svc['replicas_total']}", svc["endpoint"] or "-",
-               _duration(svc["uptime_s"])]
+               _duration(svc["uptime_s"]), progress]
         if verbose:
             row += [svc["policy"], svc["load_balancing_policy"], json.dumps(svc["resources"])]
         st.add_row(*row)
@@ -374,6 +421,7 @@ def daemon(
 
 def register(app: typer.Typer) -> None:
     app.command()(up)
+    app.command()(update)
     app.command()(status)
     app.command()(logs)
     app.command()(down)

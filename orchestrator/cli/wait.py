@@ -1,11 +1,13 @@
 """`spotctl up --wait`: per-replica progress (replica, zone, market, state, elapsed) until the
-service has a READY replica; fails at once when the service FAILED. A terminal gets a live rich
-table; a pipe gets one line per replica state change. Called by cli/service.py."""
+service has a READY replica; fails at once when the service FAILED. `spotctl update --wait`: the
+same until its update finished. A terminal gets a live rich table; a pipe gets one line per
+replica state change. Called by cli/service.py."""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.live import Live
@@ -40,11 +42,24 @@ def _check(name: str, svc: dict) -> bool:
     return svc["status"] == "READY" and svc["replicas_ready"] >= 1
 
 
+def _updated(name: str, svc: dict) -> bool:
+    return _check(name, svc) and not svc["update"]["in_progress"]
+
+
+def wait_updated(client: DaemonClient, name: str, timeout: float, console: Console, quiet: bool) -> None:
+    _wait(client, name, timeout, console, quiet, _updated, "updated")
+
+
 def wait_ready(client: DaemonClient, name: str, timeout: float, console: Console, quiet: bool) -> None:
+    _wait(client, name, timeout, console, quiet, _check, "READY")
+
+
+def _wait(client: DaemonClient, name: str, timeout: float, console: Console, quiet: bool,
+          done: Callable[[str, dict], bool], what: str) -> None:
     deadline = time.monotonic() + timeout
     if quiet:
         while time.monotonic() < deadline:
-            if _check(name, client.get(f"/v1/services/{name}")):
+            if done(name, client.get(f"/v1/services/{name}")):
                 return
             time.sleep(POLL_S)
     elif sys.stdout.isatty():
@@ -52,7 +67,7 @@ def wait_ready(client: DaemonClient, name: str, timeout: float, console: Console
             while time.monotonic() < deadline:
                 svc = client.get(f"/v1/services/{name}")
                 live.update(_table(name, svc, time.time()))
-                if _check(name, svc):
+                if done(name, svc):
                     return
                 time.sleep(POLL_S)
     else:
@@ -65,8 +80,8 @@ def wait_ready(client: DaemonClient, name: str, timeout: float, console: Console
                     seen[r["replica_id"]] = r["state"]
                     console.print(f"{r['replica_id']}  {r['cloud']}/{r['zone']}  {r['market']}  {r['state']}  "
                                   f"{_elapsed(r, now)}", highlight=False)
-            if _check(name, svc):
+            if done(name, svc):
                 return
             time.sleep(POLL_S)
-    raise RuntimeFailure(f"service {name} not READY after {timeout:.0f}s "
+    raise RuntimeFailure(f"service {name} not {what} after {timeout:.0f}s "
                          f"(see `spotctl status` and `spotctl logs {name}`)")

@@ -7,7 +7,8 @@ Routes (JSON in and out; errors are {"detail": "<one line>"}):
     GET    /v1/health                   {"status": "ok", "role": "leader", ...} (a standby daemon's
                                          answers "standby": orchestrator.control.standby)
     GET    /metrics                     Prometheus text (orchestrator.control.metrics); the operator's
-    POST   /v1/services                 {"yaml": "<service YAML>", "name": optional}
+    POST   /v1/services                 {"yaml": "<service YAML>", "name": optional, "update_mode":
+                                         "rolling" (default) | "blue-green"}
     GET    /v1/services                 services with their replicas
     GET    /v1/services/{name}
     DELETE /v1/services/{name}          start `down` (poll GET until 404)
@@ -29,7 +30,7 @@ import json
 import logging
 import re
 import time
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,13 +41,14 @@ from orchestrator.common import identity
 from orchestrator.control import auth, kvtls
 from orchestrator.control.gate import Gate
 from orchestrator.common.errors import UserError
-from orchestrator.fleet.lifecycle import ReplicaState
+from orchestrator.fleet.lifecycle import ReplicaState, is_alive
 from orchestrator.control.bootstrap import BootstrapError
 from orchestrator.control.launch import kv_secret_file
 from orchestrator.control.metrics import CONTENT_TYPE
 from orchestrator.control.wheel import own_wheel
 from orchestrator.control.wheel import version as wheel_version
 from orchestrator.spec import ServiceSpec, load_spec_text, spec_from_json
+from orchestrator.spec.revision import launch_revision
 from orchestrator.control.store import ReplicaRow, ServiceRow
 from policies.base import DEFAULT_POLICY
 from providers.base import Notice, NoticeKind
@@ -68,6 +70,8 @@ class ServiceUp(_Body):
     name: str | None = None
     # Values for the spec's `envs` (`spotctl up --env K=V`, or the user's environment).
     envs: dict[str, str] = Field(default_factory=dict)
+    # How replicas of changed launch fields are replaced (orchestrator.fleet.rollout).
+    update_mode: Literal["rolling", "blue-green"] = "rolling"
 
 
 class BootstrapRedeem(_Body):
@@ -115,6 +119,7 @@ def replica_json(r: ReplicaRow) -> dict[str, Any]:
         "ready_at": r.ready_at,
         "notice_deadline": r.notice_deadline,
         "status_message": r.status_message,
+        "spec_revision": r.spec_revision,
     }
 
 
@@ -152,8 +157,18 @@ def service_json(row: ServiceRow, replicas: list[ReplicaRow]) -> dict[str, Any]:
         "policy": resolved_policy_name(spec.service.placement_policy),
         "load_balancing_policy": spec.service.load_balancing_policy,
         "resources": spec.to_dict().get("resources", {}),
+        "update": update_json(row, spec, replicas),
         "replicas": [replica_json(r) for r in replicas],
     }
+
+
+def update_json(row: ServiceRow, spec: ServiceSpec, replicas: list[ReplicaRow]) -> dict[str, Any]:
+    """The update's progress: live replicas of the current launch revision and of older ones."""
+    revision = launch_revision(spec)
+    live = [r for r in replicas if is_alive(r.replica_state)]
+    old = sum(1 for r in live if r.spec_revision != revision)
+    return {"in_progress": row.update_mode is not None, "mode": row.update_mode, "revision": revision,
+            "old": old, "new": len(live) - old}
 
 
 def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon (no import cycle)
@@ -193,7 +208,7 @@ def create_app(daemon) -> FastAPI:  # daemon: orchestrator.control.daemon.Daemon
         spec = load_spec_text(body.yaml)
         if body.name:
             spec = spec_from_json(json.dumps({**spec.to_dict(), "name": body.name}))
-        return daemon.apply_spec(with_envs(spec, body.envs))
+        return daemon.apply_spec(with_envs(spec, body.envs), body.update_mode)
 
     def bootstrap_token(request: Request) -> str | None:
         header = request.headers.get("authorization", "")

@@ -38,7 +38,8 @@ class Balancers(Protocol):
 
     def open(self, name: str, host: str, port: int, tls: tuple[str, str] | None, policy: str) -> ServiceBalancer:
         """The service's LB serving on host:port: the running one when its port and TLS are the
-        same (a stream in flight does not notice), else a new one. UserError: cannot listen."""
+        same (a stream in flight does not notice; a changed policy applies in place), else a new one.
+        UserError: cannot listen."""
 
     def adopt(self, names: Iterable[str]) -> None:
         """On start: keep the running LBs of these services, stop every other one."""
@@ -70,6 +71,8 @@ class InProcessBalancers:
             lb = LoadBalancer(policy=policy)
             lb.start(host, port, tls)
             self.lbs[name] = lb
+        elif lb.policy != policy:  # an update: in place, no replica replaced
+            lb.set_policy(policy)
         return lb
 
     def adopt(self, names: Iterable[str]) -> None:

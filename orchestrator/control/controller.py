@@ -9,7 +9,9 @@ What reconcile does, in order:
 1. observe: replicas whose instance is gone become PREEMPTED (spot / noticed) or FAILED;
    SHUTTING_DOWN ones whose instance is gone become TERMINATED;
 2. notices the provider's control plane reported are handed to the notice handler;
-3. the policy decides launches and removals from the live replicas and the price book;
+3. an update in progress (orchestrator.fleet.rollout) hides the replicas being replaced from
+   the policy and retires those whose replacements are READY;
+   the policy decides launches and removals from the live replicas and the price book;
 4. launches go to the provider (capacity errors are market events the policy learns from);
 5. the service's status and the load balancer's upstream list follow the replicas.
 """
@@ -27,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from prometheus_client import CollectorRegistry
 
-from orchestrator.fleet import decisions
+from orchestrator.fleet import decisions, rollout
 from orchestrator.lb.proxy import Upstream
 from orchestrator.fleet.autoscaler import AutoscalerConfig, RequestRateAutoscaler
 from orchestrator.common.errors import UserError
@@ -36,6 +38,7 @@ from orchestrator.control.clouds import Clouds, Observed
 from orchestrator.control.launch import ReplicaLauncher
 from orchestrator.control.metrics import FleetCounters
 from orchestrator.spec import ServiceSpec, spec_from_json
+from orchestrator.spec.revision import launch_revision
 from orchestrator.control.store import ReplicaRow, ServiceStatus, Store
 from policies.base import (
     EventKind,
@@ -92,6 +95,7 @@ class Controller:
         offers: Callable[[], Offers] | None = None,
         on_upstreams: Callable[[list[Upstream]], None] | None = None,
         on_notice: Callable[[Notice], object] | None = None,
+        on_retire: Callable[[list[ReplicaRow]], object] | None = None,
         clock: Callable[[], float] = time.time,
         inline_cloud_calls: bool = False,
         counters: FleetCounters | None = None,
@@ -106,6 +110,9 @@ class Controller:
         # The daemon's migrator: a notice from the cloud's control plane must flush and move
         # the replica's streams like one from its agent, not only mark it DRAINING.
         self.on_notice = on_notice or self.handle_notice
+        # The daemon's migrator too: an update's retired replicas have their streams moved
+        # first (alone, a controller just shuts them down).
+        self.on_retire = on_retire or self._retire_at_once
         # The daemon's /metrics counters; a controller on its own counts into a registry nobody reads.
         self.counters = counters or FleetCounters(CollectorRegistry())
         self._offers = offers or (lambda: Offers(self.clouds.offers()))
@@ -202,11 +209,16 @@ class Controller:
             with self._lock:
                 spec = self.spec()
                 self._enforce_drain_deadlines()
+                update = self._update_step(spec, svc.update_mode)
+                retiring = self._retire(update.retire) if update is not None else []
                 # A FAILED service launches nothing more until a new spec (each launch would fail too).
-                launches = self._apply_policy(spec) if svc.status != ServiceStatus.FAILED else []
+                hidden = update.hidden if update is not None else frozenset()
+                launches = self._apply_policy(spec, hidden) if svc.status != ServiceStatus.FAILED else []
                 self._advance_shutdowns(instances)
                 self._update_service_status()
                 self.publish_upstreams()
+            if retiring:
+                self.on_retire(retiring)
             self.carry_out(launches)
             self.reconciles += 1  # completed passes (tests and status pages read it)
         finally:
@@ -368,7 +380,70 @@ class Controller:
             if r.replica_state is S.DRAINING and r.notice_deadline and now > r.notice_deadline + DRAIN_OVERRUN_S:
                 self._begin_shutdown(r, "notice deadline passed; terminating")
 
-    def policy_input(self, spec: ServiceSpec) -> PolicyInput:
+    # ---- updates (orchestrator.fleet.rollout) -------------------------------------------------
+
+    def _update_step(self, spec: ServiceSpec, mode: str | None) -> rollout.Step | None:
+        """The update's step this pass (None: no update in progress); records its end."""
+        if mode is None:
+            return None
+        revision = launch_revision(spec)
+        members = [rollout.Member(r.replica_id, r.replica_state, r.spec_revision)
+                   for r in self.store.list_replicas(self.service)]
+        step = rollout.step(members, revision, self.autoscaler.target(self.clock()), mode)
+        if step.done:
+            self.store.update_service(self.service, update_mode=None)
+            self.store.record_event("update_finished", service=self.service,
+                                    message=f"{mode} update to revision {revision} finished: {step.new} replica(s)",
+                                    data={"mode": mode, "revision": revision, "new": step.new})
+            return None
+        return step
+
+    def _retire(self, replica_ids: tuple[str, ...]) -> list[ReplicaRow]:
+        """Retire the update's replicas: those that may carry streams are returned, for
+        `on_retire` (the migrator) to move them first; the rest are shut down now."""
+        serving = []
+        for replica_id in replica_ids:
+            r = self.store.get_replica(replica_id)
+            if r is None:
+                continue
+            if r.instance_id and r.replica_state in (S.READY, S.NOT_READY):
+                serving.append(r)
+            else:
+                self.finish_retire(r)
+        return serving
+
+    def mark_retiring(self, replica: ReplicaRow, deadline: float) -> ReplicaRow | None:
+        """DRAINING for an update (the migrator calls it once the LB drained it): like a notice's,
+        with `deadline` as the backstop, but no market event: the market said nothing."""
+        with self._lock:
+            r = self.store.get_replica(replica.replica_id)
+            if r is None or r.replica_state not in (S.READY, S.NOT_READY):
+                return None  # already shut down (nothing was in flight), or noticed meanwhile
+            r = self._set_state(r, S.DRAINING, "replaced by an update: moving its streams",
+                                notice_deadline=deadline)
+            self.publish_upstreams()
+            return r
+
+    def finish_retire(self, replica: ReplicaRow) -> None:
+        """Terminate an update's replica once its streams moved (the migrator calls it)."""
+        with self._lock:
+            r = self.store.get_replica(replica.replica_id)
+            if r is None or r.replica_state is S.SHUTTING_DOWN or not is_alive(r.replica_state):
+                return
+            self._begin_shutdown(r, "replaced by an update")
+            # So the policy forgets it, as after a removal of its own.
+            self.market_event(decisions.removed(r.replica_state).event, r, "replaced by an update")
+            self.store.record_event("replica_replaced", service=self.service, replica_id=r.replica_id,
+                                    location=r.location, market=r.market_enum,
+                                    message=f"launched from revision {r.spec_revision or '?'}; replaced by an update",
+                                    data={"revision": r.spec_revision})
+            self.publish_upstreams()
+
+    def _retire_at_once(self, replicas: list[ReplicaRow]) -> None:
+        for r in replicas:
+            self.finish_retire(r)
+
+    def policy_input(self, spec: ServiceSpec, hidden: frozenset[str] = frozenset()) -> PolicyInput:
         offers = Offers(self._offers())
         locations = spec.candidate_locations(known=self._known_locations(spec, offers))
         return decisions.policy_input(
@@ -385,16 +460,18 @@ class Controller:
                     r.ready_at,
                 )
                 for r in self.store.list_replicas(self.service)
+                if r.replica_id not in hidden
             ),
             locations=locations,
             offers=decisions.price_book(offers, locations),
             params=spec.policy_params(),
         )
 
-    def _apply_policy(self, spec: ServiceSpec) -> list[PendingLaunch]:
-        """Carry out the policy's decision in the store; returns the launches still to be sent
-        to the cloud (`carry_out`, outside the lock)."""
-        view = self.policy_input(spec)
+    def _apply_policy(self, spec: ServiceSpec, hidden: frozenset[str] = frozenset()) -> list[PendingLaunch]:
+        """Carry out the policy's decision in the store, without the `hidden` replicas (an
+        update's, being replaced); returns the launches still to be sent to the cloud
+        (`carry_out`, outside the lock)."""
+        view = self.policy_input(spec, hidden)
         decision = self.policy.decide(view)
         by_id = {r.replica_id: r for r in self.store.list_replicas(self.service)}
         steps = decisions.plan(decision, lambda rid: by_id[rid].replica_state if rid in by_id else None)
@@ -428,7 +505,8 @@ class Controller:
         (`carry_out`), and the policy counts the replica as launching meanwhile."""
         location, market = offer.location, offer.market
         row = self.store.add_replica(
-            self.service, cloud=location.cloud, region=location.region, zone=location.zone, market=market.value
+            self.service, cloud=location.cloud, region=location.region, zone=location.zone, market=market.value,
+            spec_revision=launch_revision(spec),
         )
         self.store.record_event(
             "launch", service=self.service, replica_id=row.replica_id, location=location, market=market,

@@ -55,6 +55,8 @@ from orchestrator.control.bootstrap import BootstrapTokens
 from orchestrator.control.launch import VM_PORTS, ReplicaLauncher
 from orchestrator.control.wheel import own_wheel
 from orchestrator.spec import ServiceSpec, spec_from_json
+from orchestrator.spec.revision import changed_launch_fields, launch_revision
+from orchestrator.fleet import rollout
 from orchestrator.control.store import ServiceStatus, Store, default_url
 from policies.base import PlacementPolicy, UnknownPolicyError, load_policy
 from providers import registry
@@ -182,9 +184,13 @@ class Daemon:
         regions = spec.regions(cloud) or sorted({loc.region for loc in self.provider(cloud).locations(None)})
         return ServiceNetwork(spec.name, tuple(VM_PORTS.values()), (f"{address}/32",), tuple(regions))
 
-    def apply_spec(self, spec: ServiceSpec) -> dict:
-        """Create or update a service; returns its summary. Idempotent. Raises UserError for a
+    def apply_spec(self, spec: ServiceSpec, update_mode: str = rollout.ROLLING) -> dict:
+        """Create or update a service; returns its summary. Idempotent. An update whose launch
+        fields changed replaces the replicas launched from the old ones (`update_mode`:
+        orchestrator.fleet.rollout); any other change applies in place. Raises UserError for a
         spec the daemon cannot serve (unknown cloud or policy, unreachable daemon, network)."""
+        if update_mode not in rollout.MODES:
+            raise UserError(f"update mode {update_mode!r}: expected one of {', '.join(rollout.MODES)}")
         with self._lock:
             clouds = self.spec_clouds(spec)
             for cloud in clouds:
@@ -211,15 +217,36 @@ class Daemon:
             orphans.remember_clouds(clouds)  # before any launch: a lost database still says where to look
             # A new spec gives a FAILED service a fresh start.
             fresh = ServiceStatus.PENDING if existing is not None and existing.status == ServiceStatus.FAILED else None
+            if existing is not None:  # replicas of a daemon from before revisions ran the stored spec
+                self.store.fill_spec_revision(spec.name, launch_revision(spec_from_json(existing.spec_json)))
             self.store.create_or_update_service(spec.name, spec.to_json(), status=fresh, endpoint=endpoint,
                                                 lb_port=port)
+            update = self._begin_update(spec, existing, update_mode) if existing is not None else None
             if spec.name in self.controllers:  # an update: new spec, same fleet
                 self.controllers[spec.name].close()
                 del self.controllers[spec.name]
             self._start_service(spec.name)
             self.store.record_event("service_up", service=spec.name, message=f"endpoint {endpoint}")
         threading.Thread(target=self.reconcile_service, args=(spec.name,), daemon=True).start()
-        return {"name": spec.name, "endpoint": endpoint}
+        return {"name": spec.name, "endpoint": endpoint, "update": update}
+
+    def _begin_update(self, spec: ServiceSpec, before, mode: str) -> dict:
+        """Start replacing the live replicas of another launch revision (the controller's passes
+        carry it out); what is replaced. Nothing to replace: the change applied in place."""
+        revision = launch_revision(spec)
+        old = [r for r in self.store.list_replicas(spec.name) if r.spec_revision != revision]
+        if not old:
+            return {"mode": None, "revision": revision, "replacing": 0}
+        if before.update_mode == mode and launch_revision(spec_from_json(before.spec_json)) == revision:
+            return {"mode": mode, "revision": revision, "replacing": len(old)}  # the same update, again
+        changed = changed_launch_fields(spec_from_json(before.spec_json), spec)
+        self.store.update_service(spec.name, update_mode=mode)
+        self.store.record_event(
+            "update_started", service=spec.name,
+            message=f"{mode} update to revision {revision}: {len(old)} replica(s) to replace"
+                    + (f" ({', '.join(changed)} changed)" if changed else ""),
+            data={"mode": mode, "revision": revision, "replacing": [r.replica_id for r in old], "changed": changed})
+        return {"mode": mode, "revision": revision, "replacing": len(old)}
 
     def _start_service(self, name: str) -> None:
         row = self.store.get_service(name)
@@ -241,6 +268,7 @@ class Daemon:
             policy=self.policy_factory(spec.service.placement_policy),
             on_upstreams=lb.set_replicas,
             on_notice=self.migrator.on_notice,
+            on_retire=self.migrator.retire,
             counters=self.metrics.counters,
         )
         self.controllers[name] = controller

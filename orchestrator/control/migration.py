@@ -8,6 +8,8 @@ replica's connector flushes its unstored KV blocks, and only then are the cut st
 on healthy replicas, which load the prefix from the shard stores. A notice whose deadline has
 passed is an immediate loss (no flush). What the continuations loaded and recomputed goes to the
 daemon's /metrics (spot_migration_*, by service) and the events. docs/preemption.md has each step's reason.
+An update's replaced replicas take the same path (`retire`): a notice of the daemon's own, with
+a deadline, after which the replica's controller terminates it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ FLUSH_TIMEOUT_S = 10.0  # a flush longer than this costs the clients more than a
 RESUME_TIMEOUT_S = 300.0  # CPU replicas under load can take minutes to admit a long prefix
 STATS_TIMEOUT_S = 5.0
 OUTCOME_WAIT_S = 30.0
+# An update's retired replica: the deadline its migration is given (the flush gets at most
+# FLUSH_TIMEOUT_S of it); past it plus the drain overrun, the controller ends the replica anyway.
+RETIRE_GRACE_S = 30.0
 MIGRATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -161,10 +166,31 @@ class Migrator:
             found, services = self._move_streams(notices)
         return self._record_notices(found, services)
 
-    def _move_streams(self, notices: list[Notice]) -> tuple[list[tuple[Notice, ReplicaRow | None]], list[str]]:
+    def retire(self, replicas: list[ReplicaRow], grace_s: float = RETIRE_GRACE_S) -> None:
+        """An update's replacement of serving replicas (their controller calls it): each is
+        drained and its streams moved exactly as on a notice due in `grace_s`, marked DRAINING
+        by its controller without a market notice, and terminated by it once its streams moved."""
+        deadline = time.time() + grace_s
+        notices = [Notice(r.instance_id, NoticeKind.MAINTENANCE, deadline, source="update")
+                   for r in replicas if r.instance_id]
+        with self._notices_lock:
+            found, _services = self._move_streams(notices, after=self._retired)
+        for _notice, row in found:
+            controller = self.controllers.get(row.service) if row is not None else None
+            if controller is not None:
+                controller.mark_retiring(row, deadline)
+
+    def _retired(self, replica: ReplicaRow) -> None:
+        controller = self.controllers.get(replica.service)  # the live one: an `up` may have replaced it
+        if controller is not None:
+            controller.finish_retire(replica)
+
+    def _move_streams(self, notices: list[Notice], after: Callable[[ReplicaRow], None] | None = None,
+                      ) -> tuple[list[tuple[Notice, ReplicaRow | None]], list[str]]:
         """Drain the noticed replicas on their LBs and start their migrations (nothing here
-        waits for a controller). Under `_notices_lock`, so a batch that chaos injects is not
-        split by the reconcile loop reading the same notices from the cloud's feed."""
+        waits for a controller), `after(replica)` once each one's ended. Under `_notices_lock`,
+        so a batch that chaos injects is not split by the reconcile loop reading the same
+        notices from the cloud's feed."""
         received = time.monotonic()
         found = [(notice, self._replica_for_instance(notice.instance_id)) for notice in notices]
         moving = [(r, n) for n, r in found if r is not None and _drains(r.replica_state)
@@ -177,7 +203,7 @@ class Migrator:
                 lb.drain([r.replica_id for r, _n in batch])
             for r, n in batch:
                 log.info("notice for %s (deadline in %.1fs): draining", r.replica_id, n.deadline - time.time())
-            threading.Thread(target=self._migrate, args=(service, batch, received), daemon=True,
+            threading.Thread(target=self._migrate_then, args=(service, batch, received, after), daemon=True,
                              name=f"migrate-{service}").start()
         return found, services
 
@@ -193,6 +219,17 @@ class Migrator:
         for service in services:  # the replacements, without waiting a tick
             threading.Thread(target=self.reconcile, args=(service,), daemon=True).start()
         return out
+
+    def _migrate_then(self, service: str, batch: list[tuple[ReplicaRow, Notice]], received: float,
+                      after: Callable[[ReplicaRow], None] | None) -> None:
+        try:
+            self._migrate(service, batch, received)
+        finally:
+            for replica, _notice in batch if after is not None else ():
+                try:
+                    after(replica)
+                except Exception:  # the controller's deadline enforcement ends it anyway
+                    log.exception("after migrating %s", replica.replica_id)
 
     def _migrate(self, service: str, batch: list[tuple[ReplicaRow, Notice]], received: float) -> None:
         """Move the streams of the noticed replicas of one service (one at a time would let

@@ -78,6 +78,8 @@ class ServiceRow(SQLModel, table=True):
     # Which `up` of the service this is: new whenever the row is created (a service that was
     # not running), kept by updates. Its machines carry it in their tags (providers.base).
     incarnation: str = Field(default_factory=lambda: secrets.token_hex(4))
+    # The update in progress ("rolling" | "blue-green", orchestrator.fleet.rollout); None: none.
+    update_mode: str | None = None
     created_at: float = Field(default_factory=_now)
     updated_at: float = Field(default_factory=_now)
     version: int = 1
@@ -109,6 +111,9 @@ class ReplicaRow(SQLModel, table=True):
     first_probe_at: float | None = None
     last_probe_ok_at: float | None = None
     status_message: str = ""
+    # The launch revision of the spec it was launched from (orchestrator.spec.revision); None:
+    # launched by a daemon from before revisions.
+    spec_revision: str | None = None
     updated_at: float = Field(default_factory=_now)
     version: int = 1
 
@@ -188,7 +193,7 @@ class BootstrapTokenRow(SQLModel, table=True):
 
 # ---- operations ---------------------------------------------------------------------
 
-_SERVICE_FIELDS = frozenset({"spec_json", "status", "endpoint", "lb_port"})
+_SERVICE_FIELDS = frozenset({"spec_json", "status", "endpoint", "lb_port", "update_mode"})
 _REPLICA_FIELDS = frozenset(ReplicaRow.model_fields) - {
     "replica_id",
     "service",
@@ -246,7 +251,7 @@ class _Ops:
             return list(s.exec(select(ServiceRow).order_by(ServiceRow.name)))
 
     def update_service(self, name: str, expected_version: int | None = None, **fields: Any) -> ServiceRow:
-        """Set fields (status, endpoint, lb_port, spec_json); with expected_version, refuse
+        """Set fields (status, endpoint, lb_port, spec_json, update_mode); with expected_version, refuse
         (ConflictError) when the row moved on. Bumps version."""
         _check_fields("service", fields, _SERVICE_FIELDS)
         with self._scope() as s:
@@ -344,6 +349,16 @@ class _Ops:
             query = query.where(col(ReplicaRow.state).not_in(_TERMINAL_VALUES))
         with self._scope() as s:
             return list(s.exec(query.order_by(ReplicaRow.service, ReplicaRow.index)))
+
+    def fill_spec_revision(self, service: str, revision: str) -> int:
+        """Give the service's replicas of unknown launch revision (rows of a daemon from before
+        revisions) this one; how many. Not versioned: nobody else writes a NULL revision."""
+        with self._scope() as s:
+            query = (update(ReplicaRow).where(col(ReplicaRow.service) == service)
+                     .where(col(ReplicaRow.spec_revision).is_(None)).values(spec_revision=revision))
+            count = s.exec(query).rowcount
+            s.expire_all()
+            return count
 
     def delete_replica(self, replica_id: str) -> bool:
         with self._scope() as s:

@@ -103,6 +103,9 @@ class DataPlane:
             lb, old = self.lbs.get(name), self.configs.get(name)
             if lb is not None and old is not None and old.port == cfg.port \
                     and bool(old.certfile) == bool(cfg.certfile):
+                if lb.policy != cfg.policy:  # a spec update: in place, the streams go on
+                    lb.set_policy(cfg.policy)
+                self.configs[name] = cfg
                 return lb, False
             if lb is not None:
                 self.lbs.pop(name).stop()

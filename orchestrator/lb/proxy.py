@@ -213,6 +213,10 @@ class LoadBalancer:
             self._replicas = replicas  # one assignment: readers on the loop see old or new, never half
         self.metrics.forget(departed)
 
+    def set_policy(self, policy: str) -> None:
+        """Pick replicas by another policy from the next request on (a spec update, in place)."""
+        self._picker, self.policy = make_picker(policy), policy
+
     def drain(self, replica_ids: Iterable[str]) -> None:
         """No new request, retry or continuation goes to these replicas from now on (thread-safe,
         idempotent, sticky across set_replicas). What they serve goes on until migrate() cuts it."""

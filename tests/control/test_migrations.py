@@ -118,6 +118,11 @@ def _assert_first_rows_kept(store: Store) -> None:
     replica = store.get_replica("chat-2")
     assert (replica.state, replica.instance_id, replica.control_endpoint, replica.version) == \
         ("READY", "i-1", None, 5)
+    # Launched before revisions: unknown until the next update takes the stored spec's (0005).
+    assert (replica.spec_revision, service.update_mode) == (None, None)
+    assert store.fill_spec_revision("chat", "abc123") == 1
+    assert store.get_replica("chat-2").spec_revision == "abc123"
+    assert store.fill_spec_revision("chat", "def456") == 0  # a known revision is kept
     assert [e.message for e in store.list_events("chat")] == ["launched"]
 
 
@@ -144,10 +149,18 @@ def _drop_column(path: Path, table: str, column: str) -> None:
     _sqlite(path, f"ALTER TABLE {table} DROP COLUMN {column};")
 
 
+# Columns of revisions after migrations existed (0005 on): no create_all database had them.
+AFTER_MIGRATIONS = [("replicas", "spec_revision"), ("services", "update_mode")]
+
+
 def _create_all(path: Path) -> None:
+    """A database as the last create_all (before migrations) made it: today's tables less the
+    columns later revisions added."""
     engine = make_engine(_url(path))
     SQLModel.metadata.create_all(engine)
     engine.dispose()
+    for table, column in AFTER_MIGRATIONS:
+        _drop_column(path, table, column)
 
 
 @pytest.mark.parametrize(("dropped", "stamp"), [

@@ -64,6 +64,9 @@ def test_one_process_hosts_every_service_behind_a_private_token(state_home, fake
     kept = again.open("a", "127.0.0.1", int(a.url.rsplit(":", 1)[1]), None, "least_load")
     assert kept.url == a.url and again.client.pid == balancers.client.pid
     assert [row["name"] for row in again.client.call("GET", "/v1/lbs").json()] == ["a"]
+    # A spec update's new LB policy applies to the running LB (same URL, same process).
+    again.open("a", "127.0.0.1", int(a.url.rsplit(":", 1)[1]), None, "round_robin")
+    assert [row["policy"] for row in again.client.call("GET", "/v1/lbs").json()] == ["round_robin"]
     # The last LB stopped: the process exits.
     pid = again.client.pid
     again.stop("a")
