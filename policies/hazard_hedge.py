@@ -4,7 +4,9 @@
    READY spot falls short of the target) is launched when it arrives.
 2. The spec's overprovision (SkyServe's num_overprovision) is held only while a cloud's
    notices cannot replace a replica in time; once a notice has come a cold start ahead of
-   its preemption, and none too late since, the extra replicas go. While hedging, the mix
+   its preemption, and none too late since, the extra replicas go; they go too while the
+   target has served half a day from distinct zones that lost nothing for a week (a spare
+   guards against losses such zones do not have). While hedging, the mix
    of spot and on-demand is the cheapest that survives losing any spot replica, or every
    replica in a zone whose capacity came back lately (such capacity goes again soonest).
 3. On-demand covers only what spot cannot; a cover is launched for a shortfall no starting
@@ -61,6 +63,8 @@ class HazardHedgePolicy(PlacementPolicy):
         cold_start_guess: float = 120.0,
         trend_horizon_hours: float = 1.0,
         trust_half_life: float = 24 * 3600.0,
+        settled_for: float | None = 12 * 3600.0,
+        settled_memory: float = 7 * 24 * 3600.0,
     ):
         self.hazard = HazardBook(half_life)
         self.storm = StormDetector(storm_window, storm_threshold, calm)
@@ -69,12 +73,18 @@ class HazardHedgePolicy(PlacementPolicy):
         self.hazard_weight = hazard_weight
         self.retry_base, self.retry_max, self.preempt_block = retry_base, retry_max, preempt_block
         self.young_for = young_for
+        # The spare is waived while `need` replicas, one per zone, have served `settled_for`
+        # in zones with no trouble for as long and no lost replica for `settled_memory`: a
+        # zone that has lost one loses again (docs/policies.md), one that never did rarely.
+        self.settled_for = settled_for  # None: never waived this way
+        self.settled_memory = settled_memory
         self.storm_guard = storm_guard  # keep spot out of stormy domains and cover their replicas
         self.trend_horizon_hours = trend_horizon_hours
         self.cold_start = cold_start_guess  # learned: launch -> READY, smoothed
         self._fails: dict[Location, int] = {}  # refusals since the zone last granted
         self._blocked_until: dict[Location, float] = {}
         self._trouble_at: dict[Location, float] = {}  # last refusal, notice or preemption
+        self._lost_at: dict[Location, float] = {}  # last notice or preemption
         self._serving: set[str] = set()  # replicas that reached READY
         self._warned: dict[str, tuple[float, bool]] = {}  # notice time, serving then
         self._ever_ready = False  # before the first READY replica nothing serves to cover
@@ -122,6 +132,8 @@ class HazardHedgePolicy(PlacementPolicy):
             self._serving.discard(rid)
         if weight is not None and event.kind is not EventKind.LAUNCHED:
             self._trouble_at[loc] = max(self._trouble_at.get(loc, -math.inf), at)
+            if event.kind is not EventKind.CAPACITY_ERROR:
+                self._lost_at[loc] = max(self._lost_at.get(loc, -math.inf), at)
         if weight:
             self.hazard.add(loc, at, weight)
 
@@ -149,11 +161,40 @@ class HazardHedgePolicy(PlacementPolicy):
     # ------------------------------------------------------------ what it tells a reader
 
     def overprovision(self, view: PolicyInput) -> int:
-        """Extra spot replicas to hold: the spec's, unless every cloud's notices come in time."""
+        """Extra spot replicas to hold: the spec's, unless every cloud's notices come in time
+        or the target serves from settled zones."""
         wanted = view.params.num_overprovision
         if wanted and all(self.trust.trusted(cloud, view.now) for cloud in {loc.cloud for loc in view.locations}):
             return 0
+        if wanted and self._settled(view):
+            return 0
         return wanted
+
+    def _settled(self, view: PolicyInput) -> list[ReplicaView] | None:
+        """The spot replicas that make the spare needless: `need` of them in distinct zones,
+        each serving `settled_for` in a zone calm as long and without a loss for
+        `settled_memory`, and no storm (None: fewer such zones than `need`)."""
+        if self.settled_for is None:
+            return None
+        now, need = view.now, view.target - view.params.base_ondemand_fallback_replicas
+        oldest: dict[Location, ReplicaView] = {}
+        for r in view.by_market(Market.SPOT):
+            if r.phase is not Phase.READY or r.ready_at is None:
+                continue
+            if now - r.ready_at < self.settled_for:
+                continue
+            if now - self._trouble_at.get(r.location, -math.inf) < self.settled_for:
+                continue
+            if now - self._lost_at.get(r.location, -math.inf) < self.settled_memory:
+                continue
+            if r.location not in oldest or r.ready_at < oldest[r.location].ready_at:
+                oldest[r.location] = r
+        if need <= 0 or len(oldest) < need or self.storm.storms(now):
+            return None
+        # Keep the calmest zones (then the cheapest, then the longest serving).
+        price = price_map(view, Market.SPOT)
+        return sorted(oldest.values(), key=lambda r: (
+            self.score(r.location, price.get(r.location, math.inf), now), r.ready_at, r.replica_id))[:need]
 
     def storms(self, now: float) -> list[str]:
         return self.storm.storms(now)
@@ -200,7 +241,7 @@ class HazardHedgePolicy(PlacementPolicy):
         if len(spot) < goal:
             self._place_spot(view, spot, goal - len(spot), spot_prices, decision)
         elif len(spot) > goal:
-            for r in self._surplus(spot, goal, spot_prices, now):
+            for r in self._surplus(spot, goal, spot_prices, now, self._settled(view) if not extra else None):
                 decision.removals.append(Removal(r.replica_id, f"spot above goal {goal}"))
         self._cover(view, spot, need, extra, decision)
         return decision
@@ -299,14 +340,16 @@ class HazardHedgePolicy(PlacementPolicy):
                 Launch(loc, Market.SPOT, f"spot {len(spot) + i + 1}/{len(spot) + n} in {loc}{price}{where}")
             )
 
-    def _surplus(self, spot: list[ReplicaView], goal: int, prices, now: float) -> list[ReplicaView]:
-        """The replicas beyond `goal`: starting ones first, then READY ones from the most
-        crowded zone, then the priciest or most hazardous."""
+    def _surplus(self, spot: list[ReplicaView], goal: int, prices, now: float,
+                 keep: list[ReplicaView] | None = None) -> list[ReplicaView]:
+        """The replicas beyond `goal`: starting ones first, then READY ones outside `keep`,
+        then from the most crowded zone, then the priciest or most hazardous."""
         counts = count_by_location(spot)
+        kept = {r.replica_id for r in keep or ()}
 
         def key(r: ReplicaView):
             score = self.score(r.location, prices.get(r.location, math.inf), now)
-            return (r.phase is Phase.READY, -counts[r.location], -score, r.replica_id)
+            return (r.phase is Phase.READY, r.replica_id in kept, -counts[r.location], -score, r.replica_id)
 
         return sorted(scale_down_order(spot), key=key)[: len(spot) - goal]
 

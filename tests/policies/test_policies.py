@@ -168,6 +168,38 @@ def test_notices_that_come_a_cold_start_ahead_waive_the_overprovision():
     assert q.overprovision(view(ready, now=430.0)) == 1 and q.trust.trusted("aws", 430.0) is False
 
 
+HOUR = 3600.0
+
+
+def test_the_spare_goes_once_the_target_has_served_half_a_day_in_calm_zones():
+    p = HazardHedgePolicy(settled_for=12 * HOUR, settled_memory=7 * 24 * HOUR)
+    reps = [replica("s1", B), replica("s2", C), replica("s3", D), replica("s4", A, ready_at=6 * HOUR)]
+    assert p.overprovision(view(reps, prices=PRICES4, now=11 * HOUR)) == 1  # served 11 h: not yet
+    d = p.decide(view(reps, prices=PRICES4, now=13 * HOUR))
+    # Three zones have served 13 h without trouble: the spare (in A, up for 7 h) is given back.
+    assert [r.replica_id for r in d.removals] == ["s4"] and not d.launches
+    assert p.overprovision(view(reps[:3], prices=PRICES4, now=13 * HOUR)) == 0
+    # A loss ends it: the replacement and the spare come back (and on-demand covers the loss).
+    p.observe(MarketEvent(EventKind.PREEMPTED, B, Market.SPOT, 14 * HOUR, "s1"))
+    d = p.decide(view(reps[1:3], prices=PRICES4, now=14 * HOUR))
+    assert len(spot_launches(d)) == 2 and B not in spot_launches(d) and len(od_launches(d)) == 1
+
+
+def test_a_zone_that_lost_a_replica_within_a_week_does_not_count_as_settled():
+    p = HazardHedgePolicy(settled_for=12 * HOUR, settled_memory=7 * 24 * HOUR)
+    p.observe(MarketEvent(EventKind.PREEMPTED, B, Market.SPOT, 0.0, "s0"))
+    reps = [replica("s1", B, ready_at=HOUR), replica("s2", C), replica("s3", D)]
+    assert p.overprovision(view(reps, prices=PRICES4, now=2 * 24 * HOUR)) == 1
+    assert p.overprovision(view(reps, prices=PRICES4, now=8 * 24 * HOUR)) == 0
+    # A refusal is no loss: it holds the zone back for `settled_for` only.
+    p.observe(MarketEvent(EventKind.CAPACITY_ERROR, C, Market.SPOT, 8 * 24 * HOUR, "x"))
+    assert p.overprovision(view(reps, prices=PRICES4, now=8 * 24 * HOUR + 11 * HOUR)) == 1
+    assert p.overprovision(view(reps, prices=PRICES4, now=8 * 24 * HOUR + 13 * HOUR)) == 0
+    # Two replicas in one zone are one zone: the target must serve from three.
+    piled = [replica("s1", C), replica("s2", C), replica("s3", D)]
+    assert HazardHedgePolicy().overprovision(view(piled, prices=PRICES4, now=2 * 24 * HOUR)) == 1
+
+
 def test_notice_launches_replacement_elsewhere_and_on_demand_cover_at_once():
     p = HazardHedgePolicy()
     reps = [replica("s1", B), replica("s2", C), replica("s3", D)]
@@ -396,5 +428,5 @@ def test_default_policy_is_never_less_available_than_spothedge_without_notices(m
         return simulate(group, load_policy(name), SimConfig(notice=0.0), label)
 
     ratios, report = _compare(run, _shared_groups())
-    # Measured 0.965 without notices (the lone spot replica given back) and 0.952 in the paper model.
-    assert sum(ratios) / len(ratios) <= (0.97 if model == "no notice" else 0.96), "\n".join(report)
+    # The goal: at most 0.95 of SpotHedge's cost in both (docs/policies.md has the measured figures).
+    assert sum(ratios) / len(ratios) <= 0.95, "\n".join(report)
