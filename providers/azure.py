@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable
 
-import requests
+import httpx
 from azure.core.exceptions import (
     ClientAuthenticationError,
     HttpResponseError,
@@ -53,6 +53,8 @@ from providers import sdk
 from providers.images import DEFAULT_IMAGES
 
 log = logging.getLogger(__name__)
+# The Retail Prices API could not be reached at all (no route out, a proxy), as opposed to an answer.
+_UNREACHABLE = (httpx.ConnectError, httpx.TimeoutException)
 
 RETAIL_PRICES_URL = "https://prices.azure.com/api/retail/prices"
 # ARM other than Azure's public cloud (a sovereign cloud's, or an emulator's): "https://host[:port]".
@@ -90,10 +92,10 @@ def map_error(err: Exception, location: Location | None = None, market: Market |
         if status in (401, 403) or code in ("AuthorizationFailed", "InvalidAuthenticationToken"):
             return AuthError(f"{message}; {_HOW_TO_AUTH}")
         return ProviderError(message)
-    if isinstance(err, ServiceRequestError | ServiceResponseError | requests.ConnectionError | requests.Timeout):
-        return TransientError(f"azure: {err}")
-    if isinstance(err, requests.HTTPError):
-        status = err.response.status_code if err.response is not None else 0
+    if isinstance(err, ServiceRequestError | ServiceResponseError | httpx.TransportError):
+        return TransientError(f"azure: {type(err).__name__}: {err}")
+    if isinstance(err, httpx.HTTPStatusError):
+        status = err.response.status_code
         return TransientError(f"azure prices: HTTP {status}") if status == 429 or status >= 500 \
             else ProviderError(f"azure prices: HTTP {status}")
     return ProviderError(f"azure: {type(err).__name__}: {err}")
@@ -139,7 +141,7 @@ class AzureProvider(Provider):
     def __init__(self, subscription_id: str | None = None, resource_group: str = "spot-orchestrator",
                  regions: list[str] | None = None, *, credential=None, base_url: str | None = None,
                  compute_client=None, subnet_id: str | None = None, prices_url: str = RETAIL_PRICES_URL,
-                 http: requests.Session | None = None,
+                 http: httpx.Client | None = None,
                  image: dict[str, str] | None = None, admin_username: str = "azureuser",
                  ssh_public_key: str | None = None, eviction_policy: str = "Delete", launch_wait_s: float = 600.0,
                  attempts: int = 5, sleep: Callable[[float], None] = time.sleep):
@@ -154,7 +156,7 @@ class AzureProvider(Provider):
         self._client = compute_client
         self._subnet_id = subnet_id
         self._prices_url = os.environ.get(PRICES_URL_ENV) or prices_url
-        self._http = http or requests.Session()
+        self._http = http or httpx.Client(follow_redirects=True)
         self._image = image or image_reference(DEFAULT_IMAGES["azure"])
         self._admin_username = admin_username
         self._ssh_public_key = ssh_public_key
@@ -205,7 +207,7 @@ class AzureProvider(Provider):
             except TransientError as err:
                 # An API that cannot be reached at all (no route out, a proxy): the catalog's
                 # prices stand in. A throttled one is raised, so the price book cools it down.
-                if not isinstance(err.__cause__, requests.ConnectionError | requests.Timeout):
+                if not isinstance(err.__cause__, _UNREACHABLE):
                     raise
                 log.warning("azure retail prices for %s unreachable: %s; using the catalog's prices", region, err)
                 out.extend(o for o in catalog_offers("azure", accelerator, count) if o.location.region == region)

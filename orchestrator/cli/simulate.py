@@ -93,6 +93,8 @@ def simulate(
         for flag, value in (("--sample-seconds", sample_seconds), ("--zone-order", zone_order)):
             if value is not None:
                 raise UserError(f"{flag} applies to --model {PAPER_MODEL} only")
+        if plot:
+            _pyplot()
         config = SimConfig(
             target=target, cold_start=cold_start, notice=notice, od_price_ratio=od_price_ratio, params=params,
             series_points=1500 if plot else 0,
@@ -138,12 +140,23 @@ def _with_optimum(results: list[SimResult], groups, config, per_trace: int) -> l
     return out
 
 
-def _plot(results: list[SimResult], path: Path) -> None:
-    import matplotlib
+PLOT_MISSING = "install the plot extra: pip install 'spot-orchestrator[plot]'"
 
+
+def _pyplot():
+    """matplotlib's pyplot (headless), or a UserError when the `plot` extra is not installed.
+    Asked before the replay runs (so a missing extra costs no simulation), and again to draw."""
+    try:
+        import matplotlib
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError(PLOT_MISSING) from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    return plt
 
+
+def _plot(results: list[SimResult], path: Path) -> None:
+    plt = _pyplot()
     traces = list(dict.fromkeys(r.trace for r in results))
     fig, axes = plt.subplots(len(traces), 2, figsize=(12, 3 * len(traces)), squeeze=False)
     for row, trace in enumerate(traces):

@@ -699,6 +699,7 @@ class LoadBalancer:
         last_token_at: float | None = None
         seam_reason = "broken"
         upstream_status = 502  # a replica's own 5xx, when that is how the last try failed
+        failed: tuple[int, bytes, bytes] | None = None  # a replica's own 5xx before the first byte
         while True:
             if splice.budget_spent():
                 events = splice.finish_locally()
@@ -711,7 +712,7 @@ class LoadBalancer:
             upstream = self._choose(excluded)
             if upstream is None:
                 if not started:
-                    return await self._refuse(send, handle, tries)
+                    return await self._no_more_tries(send, handle, tries, failed)
                 break
             replica = upstream.replica_id
             sent_headers = headers
@@ -733,6 +734,12 @@ class LoadBalancer:
                 resp = await _request(session, "POST", upstream.url + path, json.dumps(body).encode(), sent_headers)
                 if resp.status != 200:
                     payload = await resp.read()
+                    if not started and resp.status >= 500:  # nothing reached the client: ask another
+                        tries += 1
+                        failed = (resp.status, payload, _JSON)
+                        if self._answer_failed(replica, resp.status, excluded, tries):
+                            continue
+                        return await self._no_more_tries(send, handle, tries, failed)
                     if not started:
                         handle.done = True
                         handle.settle(False)

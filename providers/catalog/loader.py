@@ -179,7 +179,7 @@ def refresh(clouds: tuple[str, ...] | list[str] = CLOUDS, *, root: Path | None =
     """Download each cloud's hosted catalog (bounded by `timeout_s` per request) and replace the file
     atomically. Returns {cloud: None on success, else a one-line reason}; a failed cloud keeps its
     file. Run it before the first price query of a process: sky caches what it has read."""
-    import requests
+    import httpx
 
     root = root or catalog_dir()
     results: dict[str, str | None] = {}
@@ -187,8 +187,8 @@ def refresh(clouds: tuple[str, ...] | list[str] = CLOUDS, *, root: Path | None =
         error = "no URL"
         for url in hosted_catalog_urls(cloud):
             try:
-                reply = requests.get(url, timeout=timeout_s, headers={"User-Agent": "SkyPilot/0.7"})
-            except requests.RequestException as err:
+                reply = httpx.get(url, timeout=timeout_s, headers={"User-Agent": "SkyPilot/0.7"}, follow_redirects=True)
+            except httpx.HTTPError as err:
                 error = f"{type(err).__name__} ({url})"
                 continue
             if reply.status_code != 200:

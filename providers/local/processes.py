@@ -1,7 +1,7 @@
 """The local cloud's machines as process groups: start, signal, wait for, kill; scratch folders.
 
 A machine is a detached process group (its own session); liveness comes from
-`orchestrator.common.procs` (/proc), and children this interpreter started are reaped so a
+`orchestrator.common.procs` (psutil), and children this interpreter started are reaped so a
 dead one does not linger as a zombie. Used by providers.local.provider only.
 """
 
@@ -16,6 +16,8 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
+
+import psutil
 
 from orchestrator.common import procs
 
@@ -40,9 +42,9 @@ def reap(pid: int) -> None:
         del _CHILDREN[pid]
 
 
-def pid_alive(pid: int, start_time: int | None) -> bool:
+def pid_alive(pid: int, create_time: float | None) -> bool:
     reap(pid)  # a child of ours stays a zombie (and its pid taken) until it is waited for
-    return procs.pid_alive(pid, start_time)
+    return procs.pid_alive(pid, create_time)
 
 
 def signal_group(pgid: int, sig: int) -> None:
@@ -74,17 +76,9 @@ def kill_group(pgid: int, stop_timeout_s: float) -> None:
 def find_by_env(key: str, value: str) -> list[int]:
     """Pids of this user's processes whose environment has key=value (a machine whose launcher
     died before recording its pid is found by the instance id it was given)."""
-    wanted = f"{key}={value}".encode()
-    found = []
-    for entry in os.scandir("/proc") if procs.HAVE_PROC else ():
-        if entry.name.isdigit():
-            try:
-                env = Path(f"/proc/{entry.name}/environ").read_bytes()
-            except OSError:  # gone, or not ours
-                continue
-            if wanted in env.split(b"\0"):
-                found.append(int(entry.name))
-    return found
+    # environ is None for a process that is not ours to read (psutil's AccessDenied value).
+    return [process.pid for process in psutil.process_iter(["environ"])
+            if (process.info["environ"] or {}).get(key) == value]
 
 
 def free_port(avoid: set[int]) -> int:

@@ -248,7 +248,7 @@ class LocalProvider(Provider):
             "tags": request.all_tags(),
             "pid": proc.pid,
             "pgid": proc.pid,
-            "start_time": stat.start_time if stat else None,
+            "create_time": stat.create_time if stat else None,
             "port": port,
             "agent_port": agent_port,
             "control_port": control_port,
@@ -273,7 +273,7 @@ class LocalProvider(Provider):
             self._registry.save(record)
         self._cancel_timer(instance_id)
         # Outside the lock: stopping may take stop_timeout_s and others must not wait for it.
-        if processes.pid_alive(record["pid"], record["start_time"]) or procs.group_members(record["pgid"]):
+        if processes.pid_alive(record["pid"], record.get("create_time")) or procs.group_members(record["pgid"]):
             processes.kill_group(record["pgid"], self.stop_timeout_s)
         with self._registry.locked():
             record = self._registry.instance(instance_id)
@@ -314,7 +314,7 @@ class LocalProvider(Provider):
     def _observe(self, record: dict[str, Any]) -> Instance:
         """The instance as it is now; a process found dead is recorded as terminated.
         Call with the registry lock held."""
-        if record["status"] != "terminated" and not processes.pid_alive(record["pid"], record["start_time"]):
+        if record["status"] != "terminated" and not processes.pid_alive(record["pid"], record.get("create_time")):
             # The "machine" is its leader process: when that exits, the instance is gone, and
             # so must be whatever it left behind in its group (e.g. vLLM's engine process).
             processes.signal_group(record["pgid"], signal.SIGKILL)

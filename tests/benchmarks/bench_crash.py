@@ -39,9 +39,13 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO))
+
+from tests.helpers import alive as _alive  # noqa: E402 (the repository is on the path now)
 
 SERVICE = "crash"
 TRANSIENT = {"PENDING", "PROVISIONING", "STARTING", "SHUTTING_DOWN", "UNKNOWN", "DRAINING"}
@@ -341,27 +345,14 @@ class Bench:
             self.problems.append(f"preempted without a notice: {sorted(false)}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
-
-
 def _replica_processes(home: Path) -> list[int]:
-    """Processes started as local-cloud machines of this home (they carry its instance env)."""
+    """Live processes started as local-cloud machines of this home (they carry its instance env)."""
     found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"SPOT_ORCHESTRATOR_HOME={home}".encode() in env and \
-                any(e.startswith(b"SPOT_ORCHESTRATOR_INSTANCE_ID=") for e in env) and _alive(int(entry.name)):
-            found.append(int(entry.name))
+    for process in psutil.process_iter(["environ"]):
+        env = process.info["environ"] or {}  # None: not ours to read
+        if env.get("SPOT_ORCHESTRATOR_HOME") == str(home) and "SPOT_ORCHESTRATOR_INSTANCE_ID" in env and \
+                _alive(process.pid):
+            found.append(process.pid)
     return found
 
 

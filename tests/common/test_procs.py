@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from orchestrator.common import procs
@@ -16,17 +17,18 @@ from tests.helpers import wait_for
 REPO = Path(__file__).resolve().parents[2]
 _WITH_REPO = {**os.environ, "PYTHONPATH": str(REPO)}  # for a Python started outside this venv
 
-pytestmark = pytest.mark.skipif(not procs.HAVE_PROC, reason="needs Linux /proc")
+needs_autogroup = pytest.mark.skipif(not Path("/proc/self").exists(), reason="autogroups live in Linux /proc")
 
 
 def test_running_child_is_alive_and_its_zombie_is_not():
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         stat = procs.proc_stat(child.pid)
-        assert stat is not None and procs.pid_alive(child.pid) and procs.pid_alive(child.pid, stat.start_time)
-        assert not procs.pid_alive(child.pid, stat.start_time + 1)  # same pid, another process
+        assert stat is not None and procs.pid_alive(child.pid) and procs.pid_alive(child.pid, stat.create_time)
+        assert not procs.pid_alive(child.pid, stat.create_time + 1)  # same pid, another process
         child.stdin.close()  # it exits; unreaped, it stays a zombie
-        wait_for(lambda: procs.proc_stat(child.pid).state == "Z", 30, "the child to become a zombie", 0.05)
+        wait_for(lambda: procs.proc_stat(child.pid).status == psutil.STATUS_ZOMBIE, 30, "the child to become a zombie",
+                 0.05)
         os.kill(child.pid, 0)  # a zombie still answers a signal ...
         assert not procs.pid_alive(child.pid)  # ... but is not alive
     finally:
@@ -57,6 +59,7 @@ def _autogroup(pid: int) -> tuple[str, str] | None:
     return (fields[0], fields[-1]) if fields else ("root", "0")
 
 
+@needs_autogroup
 def test_a_local_machine_runs_niced_in_its_own_autogroup():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     try:
@@ -94,7 +97,7 @@ finally:
 
 def _unprivileged_python() -> list[str]:
     """A command that runs Python as `nobody`, where this process may switch to it and some
-    Python (with orchestrator.common.procs, which needs only the standard library) is open to that
+    Python (with orchestrator.common.procs and psutil) is open to that
     user; else this process's own Python, as its own user.
 
     Only an unprivileged caller meets the kernel's limit of one autogroup write per 100 ms."""
@@ -109,6 +112,7 @@ def _unprivileged_python() -> list[str]:
     return [sys.executable]
 
 
+@needs_autogroup
 def test_every_machine_of_a_quick_launch_gets_its_autogroup_niced():
     if _autogroup(os.getpid()) is None:
         pytest.skip("this kernel has no autogroup scheduling")

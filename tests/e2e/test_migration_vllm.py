@@ -36,9 +36,9 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from orchestrator.control import launch as replica_command
@@ -123,15 +123,10 @@ def _pids(module: bytes, port_flag: bytes, endpoints: set[str]) -> list[int]:
     """The processes running `python -m module ... port_flag PORT` for these endpoints' ports."""
     ports = {e.rsplit(":", 1)[1] for e in endpoints}
     pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if module in args and port_flag in args and args[args.index(port_flag) + 1].decode() in ports:
-            pids.append(int(proc.name))
+    for proc in psutil.process_iter(["cmdline"]):
+        args = proc.info["cmdline"] or []  # None: not ours to read
+        if module in args and port_flag in args and args[args.index(port_flag) + 1] in ports:
+            pids.append(proc.pid)
     return pids
 
 

@@ -162,6 +162,26 @@ def test_a_replicas_own_5xx_is_retried_on_another_replica(fakes, make_lb):
         assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]"), resp.text
 
 
+
+def test_a_replicas_own_5xx_before_a_continuable_streams_first_byte_is_retried_on_another_replica(fakes, make_lb):
+    a, b = fakes
+    lb = make_lb("round_robin", [Upstream("a", a.url), Upstream("b", b.url)])
+    body = {"model": "fake", "prompt": "hello", "max_tokens": 4, "stream": True, "fake_status": {"a": 500}}
+    for fake in fakes:
+        httpx.delete(fake.url + "/_requests", timeout=5)
+    for _ in range(2):  # round robin: one of the two starts on a
+        resp = httpx.post(lb.url + "/v1/completions", timeout=30, json=body)
+        chunks = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+        assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]"), resp.text
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    asked_a = len(a.received())  # each of a's 500s was asked again on b
+    assert asked_a >= 1 and len(b.received()) == 2
+    assert metric(lb.url, 'spot_lb_retries_total{reason="http_500"}') == asked_a
+    # Every replica answers 503: the client gets the last one's own answer, not a 502 of ours.
+    resp = httpx.post(lb.url + "/v1/completions", timeout=30, json={**body, "fake_status": 503})
+    assert resp.status_code == 503 and resp.json()["error"]["message"] == "fake failure", resp.text
+    assert lb.in_flight("a") == lb.in_flight("b") == 0
+
 def test_connection_refused_is_retried_on_another_replica(fakes, make_lb):
     a, _ = fakes
     lb = make_lb("round_robin", [Upstream("dead", dead_url()), Upstream("a", a.url)])

@@ -1,4 +1,4 @@
-"""Azure provider: the real azure-mgmt-compute client and a requests session against local fakes
+"""Azure provider: the real azure-mgmt-compute client and an httpx client against local fakes
 of ARM and the Retail Prices API that answer with their real JSON shapes."""
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ import os
 import signal
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+import httpx
+import psutil
 import pytest
 
 from orchestrator.common.procs import MACHINE_NICE
@@ -78,15 +79,13 @@ def pids(tmp_path, replica="chat-1") -> list[int]:
 
 
 def environ(pid: int) -> dict[str, str]:
-    text = Path(f"/proc/{pid}/environ").read_text()
-    return dict(entry.split("=", 1) for entry in text.split("\0") if "=" in entry)
+    return psutil.Process(pid).environ()
 
 
 def get_ok(endpoint: str) -> bool:
     try:
-        with urllib.request.urlopen(endpoint + "/", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
+        return httpx.get(endpoint + "/", timeout=2).status_code == 200
+    except httpx.HTTPError:
         return False
 
 

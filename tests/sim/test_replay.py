@@ -257,6 +257,33 @@ def test_cli_json_plot_and_errors(tmp_path):
         assert "Traceback" not in bad.stderr
 
 
+# spotctl without matplotlib: a None entry in sys.modules makes its import raise ImportError.
+_WITHOUT_MATPLOTLIB = """
+import sys
+sys.modules["matplotlib"] = sys.modules["matplotlib.pyplot"] = None
+from orchestrator.cli.app import main
+sys.argv = ["spotctl", *sys.argv[1:]]
+main()
+"""
+
+
+def test_plot_without_the_plot_extra_is_a_one_line_error(tmp_path):
+    import sys
+
+    folder = tmp_path / "aws-cli"
+    write_trace(folder, "us-east-1a_v100_1", [1, 1, 0, 1])
+    plot = tmp_path / "out.png"
+    args = ["simulate", "--trace", str(folder), "--policy", "ondemand", "--target", "1"]
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_MATPLOTLIB, *args, "--plot", str(plot)], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == "error: install the plot extra: pip install 'spot-orchestrator[plot]'", out.stderr
+    assert not plot.exists() and out.stdout == ""
+    # Without --plot the same interpreter simulates as usual: only the plot needs the extra.
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_MATPLOTLIB, *args, "--json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0 and json.loads(out.stdout)[0]["policy"] == "ondemand", out.stderr
+
 def test_two_clouds_replay_as_one_market_each_zone_with_its_cloud_notice_and_price(tmp_path):
     """An AWS trace (60 s samples, a dear zone) and a GCP one (30 s, cheap): one market on
     30 s samples, cut to the shorter span; a replica is warned as long ahead as its own

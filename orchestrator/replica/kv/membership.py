@@ -9,11 +9,11 @@ known list: stores that vanished only cost cache misses.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
-import urllib.request
 from collections.abc import Callable
+
+import httpx
 
 from orchestrator.common import identity
 from orchestrator.replica.kv.placement import StoreNode, parse_nodes
@@ -39,10 +39,10 @@ class Membership:
     def _fetch(self) -> list[StoreNode]:
         url = self._settings.membership_url
         token = identity.own_token(self._settings.secret)
-        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
         try:
-            with urllib.request.urlopen(request, timeout=self._settings.timeout_s) as response:
-                return parse_nodes(json.loads(response.read())["stores"])
+            reply = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=self._settings.timeout_s)
+            reply.raise_for_status()
+            return parse_nodes(reply.json()["stores"])
         except Exception as err:  # the daemon may be restarting: keep serving with what we know
             log.warning("kv membership from %s unavailable: %s", url, err)
             return list(getattr(self, "nodes", []))
