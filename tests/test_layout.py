@@ -52,12 +52,17 @@ def _is_type_checking(node: ast.If) -> bool:
     return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """The ids of every node under an `if TYPE_CHECKING:` (imports there never run)."""
+    return {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
+            for n in ast.walk(node)}
+
+
 def _imports(path: Path) -> list[str]:
     """Every project module a file imports, at the top or inside functions (not the
     `if TYPE_CHECKING:` ones, which never run)."""
     tree = ast.parse(path.read_text())
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
-            for n in ast.walk(node)}
+    skip = _type_checking_nodes(tree)
     found = []
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -239,8 +244,7 @@ def _all_imports(path: Path) -> list[tuple[int, str, bool]]:
     """(line, module, inside a function) for each import of a module outside this repository
     (`if TYPE_CHECKING:` ones aside: they never run)."""
     tree = ast.parse(path.read_text())
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
-            for n in ast.walk(node)}
+    skip = _type_checking_nodes(tree)
     lazy = {id(n) for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
             for n in ast.walk(node)}
     found = []

@@ -44,7 +44,7 @@ from orchestrator.control.standby import StandbyAPI
 
 from orchestrator.common import logsetup, paths
 from orchestrator.control.controller import Controller
-from orchestrator.common.errors import UserError
+from orchestrator.common.errors import UserError, exit_code_of
 from orchestrator.control.balancers import Balancers, InProcessBalancers, ServiceBalancer
 from orchestrator.control.pricebook import PriceBook, refresh_prices
 from orchestrator.control.migration import Migrator
@@ -590,12 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-keyfile", help=f"its key (or ${tls.KEYFILE_ENV})")
     parser.add_argument("--plain-http", action="store_true", help="beyond loopback without TLS (a TLS proxy)")
     opts = parser.parse_args(argv)
-    try:
-        serve(opts.host, opts.port, opts.public_url, opts.tls_certfile, opts.tls_keyfile, opts.plain_http)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return err.exit_code
-    return 0
+    return exit_code_of(lambda: serve(opts.host, opts.port, opts.public_url, opts.tls_certfile, opts.tls_keyfile,
+                                      opts.plain_http))
 
 
 if __name__ == "__main__":

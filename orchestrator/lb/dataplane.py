@@ -29,7 +29,7 @@ from pathlib import Path
 import uvicorn
 
 from orchestrator.common import paths
-from orchestrator.common.errors import UserError
+from orchestrator.common.errors import UserError, exit_code_of
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     level = os.environ.get("SPOT_ORCHESTRATOR_LOG_LEVEL", "info").upper()
     logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        serve()
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return err.exit_code
-    return 0
+    return exit_code_of(serve)
 
 
 if __name__ == "__main__":

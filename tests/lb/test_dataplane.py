@@ -12,7 +12,6 @@ import threading
 import httpx
 import pytest
 from tests.fakes.lb_client import Reader, ids_of, wait_for
-from tests.fakes.upstream import FakeProcess
 from tests.helpers import alive, free_port
 
 from orchestrator.common.errors import UserError
@@ -21,17 +20,6 @@ from orchestrator.lb.proxy import Upstream
 
 pytestmark = pytest.mark.timeout(180)
 STREAM = {"model": "fake", "prompt": "hello", "max_tokens": 40, "stream": True, "fake_token_delay": 0.05}
-
-
-@pytest.fixture(scope="module")
-def fakes():
-    fakes = []
-    try:
-        fakes += [FakeProcess("a"), FakeProcess("b")]
-        yield tuple(fakes)
-    finally:
-        for fake in fakes:
-            fake.stop()
 
 
 def record(home) -> dict:

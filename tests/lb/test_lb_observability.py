@@ -7,21 +7,12 @@ from __future__ import annotations
 import httpx
 import pytest
 from tests.fakes.lb_client import events
-from tests.fakes.upstream import FakeProcess
 
 from orchestrator.lb.proxy import LoadBalancer, Upstream
 
 pytestmark = pytest.mark.timeout(120)
 
 BODY = {"model": "fake", "prompt": "hello", "max_tokens": 4}
-
-
-@pytest.fixture(scope="module")
-def fakes():
-    started = [FakeProcess("a"), FakeProcess("b")]
-    yield started
-    for fake in started:
-        fake.stop()
 
 
 @pytest.fixture

@@ -27,17 +27,6 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="module")
-def fakes():
-    fakes = []
-    try:
-        fakes += [FakeProcess("a"), FakeProcess("b")]
-        yield tuple(fakes)
-    finally:
-        for fake in fakes:
-            fake.stop()
-
-
 @pytest.fixture
 def make_lb():
     started = []
@@ -160,7 +149,6 @@ def test_a_replicas_own_5xx_is_retried_on_another_replica(fakes, make_lb):
             "model": "fake", "prompt": "hello", "max_tokens": 4, "stream": True, "echo": True,
             "fake_status": {"a": 500}})
         assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]"), resp.text
-
 
 
 def test_a_replicas_own_5xx_before_a_continuable_streams_first_byte_is_retried_on_another_replica(fakes, make_lb):
