@@ -96,6 +96,22 @@ def _timed(what: str, step: Callable[[], object]) -> None:
             log.warning("%s took %.0fs; the passes due meanwhile were skipped", what, took)
 
 
+class _PassTimer:
+    """Counts a pass's services as their futures finish; reports the pass's time after the last."""
+
+    def __init__(self, services: int, report: Callable[[float], None]):
+        self._left, self._report = services, report
+        self._started = time.monotonic()
+        self._lock = threading.Lock()
+
+    def __call__(self, _future) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._report(time.monotonic() - self._started)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -369,16 +385,21 @@ class Daemon:
 
     def reconcile_all(self) -> None:
         """Each service's pass in its own thread: one slow cloud launch holds up only its own
-        service (whose next pass is skipped while it runs), never the others."""
-        for name in list(self.controllers):
-            self._reconcile_pool.submit(self.reconcile_service, name)
+        service (whose next pass is skipped while it runs), never the others. The pass's time,
+        until the last service's is done, goes to spot_daemon_pass_seconds{job="reconcile"}."""
+        names = list(self.controllers)
+        done = _PassTimer(len(names), self.metrics.passes.labels("reconcile").observe)
+        for name in names:
+            self._reconcile_pool.submit(self.reconcile_service, name).add_done_callback(done)
 
     def probe_all(self) -> None:
+        started = time.monotonic()
         for name, controller in list(self.controllers.items()):
             try:
                 _timed(f"probe of {name}", controller.probe)
             except Exception:
                 log.exception("probe of %s failed", name)
+        self.metrics.passes.labels("probe").observe(time.monotonic() - started)
 
     def sweep_orphans(self, now_all: bool = False) -> list[dict]:
         try:

@@ -1,0 +1,252 @@
+"""The daemon at scale: its memory, its reconcile pass and its idle CPU, from 100 to 1,000 services.
+
+    .venv/bin/python tests/benchmarks/bench_daemon_scale.py [--sizes 100,300,1000] [--quiet-s 60]
+    (BENCH_QUICK=1: 100 and 200 services, a 10 s quiet window)
+
+Three processes per size: one health stand-in (tests/fakes/health_standin.py) that answers every
+replica's readiness probe, the daemon (this script re-run with --serve-daemon: the real Daemon
+and its API server, its provider the in-memory cloud of tests/fakes/memory_cloud.py, each
+machine a path under the stand-in) and this one, which brings up N services of 4 replicas each
+through the daemon's API, waits until every replica is READY, then measures over a quiet
+window (nothing launched, nothing failing, every probe answered):
+
+- `rss_mb`: the daemon's resident memory (psutil) at the window's end;
+- `pass_p50_s`, `pass_p99_s`: one reconcile pass over every service, from the daemon's own
+  spot_daemon_pass_seconds histogram (the window's passes only; quantiles interpolated
+  within buckets, as Prometheus does); `probe_pass_p50_s` beside it;
+- `idle_cpu_cores`: the daemon's CPU time over the window / the window;
+- `threads`: the daemon's thread count.
+
+The load balancers run inside the daemon on this branch (one per service: a thread, an event
+loop, a listening socket); `lb_rss_mb` and `lb_threads` are what a daemon with as many load
+balancers and no services holds beyond a bare daemon: their share of `rss_mb` and `threads`.
+Prints one JSON line: the largest size's keys, `by_size` (every size's), `goals` and
+`goals_met` (at the largest size: rss under 300 MB, a pass under 1 s, under 0.25 core idle),
+and `errors` (replicas that never became READY, probes the stand-in never saw: a failure count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(REPO))
+
+REPLICAS = 4
+GOALS = {"rss_mb": 300.0, "pass_p99_s": 1.0, "idle_cpu_cores": 0.25}
+SPEC = """
+name: {name}
+service:
+  readiness_probe: {{path: /health, initial_delay_seconds: 600}}
+  replicas: {replicas}
+resources: {{cloud: local, use_spot: true}}
+engine: {{model: tiny}}
+kv: {{enabled: false}}
+"""
+READY_TIMEOUT_S = 900.0
+
+
+# ---- the daemon's side (this script re-run with --serve-daemon) ----------------------------
+
+def serve_daemon(health_url: str, bare_lbs: int) -> None:
+    """The daemon on the memory cloud, in the foreground; prints its URL and token once up.
+    With bare_lbs > 0, also that many load balancers with no service (their share, measured)."""
+    from orchestrator.control.daemon import Daemon, DaemonServer
+    from orchestrator.control.store import Store
+    from tests.fakes.memory_cloud import MemoryCloud, MemoryLauncher
+
+    clouds: dict[str, MemoryCloud] = {}
+
+    def provider(cloud: str) -> MemoryCloud:
+        return clouds.setdefault(cloud, MemoryCloud(cloud, health_url))
+
+    daemon = Daemon(store=Store(), provider_factory=provider, launcher=MemoryLauncher())
+    if bare_lbs:
+        from orchestrator.lb.proxy import LoadBalancer
+
+        for _ in range(bare_lbs):
+            LoadBalancer().start("127.0.0.1", 0)
+    server = DaemonServer(daemon, "127.0.0.1", 0)
+    server.start_in_thread()
+    print(json.dumps({"url": daemon.url, "token": daemon.token}), flush=True)
+    while True:
+        time.sleep(3600)
+
+
+# ---- the measuring side -------------------------------------------------------------------
+
+def quantile(q: float, before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The q-quantile of the observations between two cumulative bucket snapshots, interpolated
+    linearly within its bucket (Prometheus' histogram_quantile); None with no observation."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = counts[-1]
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            inside = count - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = bound, count
+    return lower
+
+
+def pass_buckets(client, job: str) -> dict[float, float]:
+    """spot_daemon_pass_seconds{job} cumulative bucket counts from the daemon's /metrics."""
+    text = client.get("/metrics").text
+    out: dict[float, float] = {}
+    pattern = re.compile(r'^spot_daemon_pass_seconds_bucket\{job="%s",le="([^"]+)"\} (\S+)$' % job)
+    for line in text.splitlines():
+        m = pattern.match(line)
+        if m:
+            out[float(m.group(1))] = float(m.group(2))
+    return out
+
+
+class DaemonProcess:
+    """A daemon process on the memory cloud (this script with --serve-daemon)."""
+
+    def __init__(self, health_url: str, home: str, bare_lbs: int = 0):
+        import httpx
+
+        env = {**os.environ, "SPOT_ORCHESTRATOR_HOME": home, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve-daemon", health_url,
+                                      "--bare-lbs", str(bare_lbs)], stdout=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the daemon did not start (exit {self.proc.wait()})")
+        info = json.loads(line)
+        self.client = httpx.Client(base_url=info["url"], headers={"Authorization": f"Bearer {info['token']}"},
+                                   timeout=120)
+
+    def stop(self) -> None:
+        self.client.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+def bring_up(client, services: int) -> int:
+    """Applies the services through the API; waits until every replica is READY. Returns how
+    many replicas are not READY at the deadline (0 when all came up)."""
+    for i in range(services):
+        resp = client.post("/v1/services", json={"yaml": SPEC.format(name=f"s{i:04d}", replicas=REPLICAS)})
+        resp.raise_for_status()
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    missing = services * REPLICAS
+    while time.monotonic() < deadline:
+        listed = client.get("/v1/services").json()
+        ready = sum(1 for s in listed for r in s.get("replicas", []) if r.get("state") == "READY")
+        missing = services * REPLICAS - ready
+        if missing <= 0:
+            return 0
+        time.sleep(2)
+    return missing
+
+
+def standin_count(health_url: str) -> int:
+    import httpx
+
+    return int(httpx.get(f"{health_url}/_count", timeout=10).text)
+
+
+def measure(services: int, health_url: str, quiet_s: float) -> dict:
+    import psutil
+
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as home:
+        daemon = DaemonProcess(health_url, home)
+        try:
+            not_ready = bring_up(daemon.client, services)
+            time.sleep(5)  # the last READY transitions' passes end before the window opens
+            before = {job: pass_buckets(daemon.client, job) for job in ("reconcile", "probe")}
+            probes_before = standin_count(health_url)
+            ps = psutil.Process(daemon.proc.pid)
+            cpu0, t0 = sum(ps.cpu_times()[:2]), time.monotonic()
+            time.sleep(quiet_s)
+            cpu1, t1 = sum(ps.cpu_times()[:2]), time.monotonic()
+            rss_mb, threads = ps.memory_info().rss / 2**20, ps.num_threads()
+            probes = standin_count(health_url) - probes_before
+            after = {job: pass_buckets(daemon.client, job) for job in ("reconcile", "probe")}
+        finally:
+            daemon.stop()
+
+    def q(p: float, job: str) -> float | None:
+        value = quantile(p, before[job], after[job])
+        return None if value is None else round(value, 3)
+
+    return {
+        "services": services, "replicas": services * REPLICAS, "rss_mb": round(rss_mb, 1),
+        "pass_p50_s": q(0.5, "reconcile"), "pass_p99_s": q(0.99, "reconcile"),
+        "probe_pass_p50_s": q(0.5, "probe"), "idle_cpu_cores": round((cpu1 - cpu0) / (t1 - t0), 3),
+        "threads": threads, "probes_per_s": round(probes / (t1 - t0), 1), "not_ready": not_ready,
+    }
+
+
+def lb_share(lbs: int, health_url: str) -> dict:
+    """What `lbs` load balancers with no service add to a bare daemon's RSS and threads."""
+    import psutil
+
+    out = {}
+    for label, count in (("bare", 0), ("lbs", lbs)):
+        with tempfile.TemporaryDirectory(prefix="bench-scale-") as home:
+            daemon = DaemonProcess(health_url, home, bare_lbs=count)
+            try:
+                time.sleep(3)
+                ps = psutil.Process(daemon.proc.pid)
+                out[label] = (ps.memory_info().rss / 2**20, ps.num_threads())
+            finally:
+                daemon.stop()
+    return {"lb_rss_mb": round(out["lbs"][0] - out["bare"][0], 1), "lb_threads": out["lbs"][1] - out["bare"][1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    quick = os.environ.get("BENCH_QUICK") == "1"
+    parser.add_argument("--sizes", default="100,200" if quick else "100,300,1000")
+    parser.add_argument("--quiet-s", type=float, default=10.0 if quick else 60.0)
+    parser.add_argument("--serve-daemon", help=argparse.SUPPRESS)
+    parser.add_argument("--bare-lbs", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_daemon:
+        return serve_daemon(args.serve_daemon, args.bare_lbs)
+    try:
+        sizes = sorted({int(s) for s in args.sizes.split(",")})
+    except ValueError:
+        sys.exit(f"error: --sizes {args.sizes!r}: a comma-separated list of service counts")
+    if not sizes or sizes[0] <= 0:
+        sys.exit(f"error: --sizes {args.sizes!r}: each count must be above 0")
+
+    standin = subprocess.Popen([sys.executable, str(REPO / "tests" / "fakes" / "health_standin.py")],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        health_url = f"http://127.0.0.1:{standin.stdout.readline().split()[1]}"
+        by_size = [measure(n, health_url, args.quiet_s) for n in sizes]
+        share = lb_share(sizes[-1], health_url)
+    finally:
+        standin.kill()
+        standin.wait()
+    top = by_size[-1]
+    met = {key: top[key] is not None and top[key] < goal for key, goal in GOALS.items()}
+    errors = sum(s["not_ready"] for s in by_size) + sum(1 for s in by_size if not s["probes_per_s"])
+    print(json.dumps({
+        **{k: top[k] for k in ("services", "rss_mb", "pass_p50_s", "pass_p99_s", "idle_cpu_cores",
+                               "probe_pass_p50_s", "threads")},
+        **share, "by_size": by_size, "goals": GOALS, "goals_met": all(met.values()),
+        "goals_missed": sorted(k for k, ok in met.items() if not ok), "quiet_s": args.quiet_s,
+        "errors": errors,
+    }))
+
+
+if __name__ == "__main__":
+    main()
