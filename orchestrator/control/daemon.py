@@ -2,7 +2,7 @@
 
 Each job calls one function of the library, so the daemon stays small:
     reconcile  every 2 s   Controller.reconcile() for each service
-    probe      every 2 s   Controller.probe() for each service
+    probe      every 2 s   every service's replicas probed at once (Prober), Controller.apply_probes()
     prices     per cloud   pricebook.refresh_prices() (clouds whose quotes are cached)
     orphans    every 30 s  OrphanSweeper.sweep() (and once at start): machines nobody owns
 All state is in the store; a restarted daemon rebuilds controllers, load balancers and
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import fcntl
+import functools
 import importlib
 import logging
 import os
@@ -47,6 +48,8 @@ from orchestrator.common.errors import UserError
 from orchestrator.lb.proxy import LoadBalancer
 from orchestrator.control.pricebook import PriceBook, refresh_prices
 from orchestrator.control.migration import Migrator
+from orchestrator.control.prober import Prober
+from orchestrator.control.snapshot import FleetSnapshot
 from orchestrator.control.metrics import DaemonMetrics
 from orchestrator.control.boot import BootScripts
 from orchestrator.control.clouds import Clouds
@@ -146,6 +149,7 @@ class Daemon:
         self.metrics = DaemonMetrics(self.store, self.lbs)  # GET /metrics
         self.book = PriceBook()  # live quotes of the real clouds in use (the local cloud prices itself)
         self.orphans = orphans.OrphanSweeper(self.store, self.provider)
+        self.prober = Prober()  # every service's readiness probes, from one event loop
         self._lock = threading.RLock()
         self.started_at = time.time()
         self._reconcile_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="reconcile")
@@ -257,6 +261,7 @@ class Daemon:
             on_upstreams=lb.set_replicas,
             on_notice=self.migrator.on_notice,
             counters=self.metrics.counters,
+            prober=self.prober,
         )
         self.controllers[name] = controller
         controller.publish_upstreams()
@@ -368,7 +373,7 @@ class Daemon:
 
     # ---- jobs -------------------------------------------------------------------------
 
-    def reconcile_service(self, name: str) -> None:
+    def reconcile_service(self, name: str, snapshot: FleetSnapshot | None = None) -> None:
         controller = self.controllers.get(name)
         try:
             if controller is None:  # a service whose controller could not start: only `down` works
@@ -376,7 +381,7 @@ class Daemon:
                 if row is not None and row.status == ServiceStatus.SHUTTING_DOWN:
                     self._finish_down(name)
                 return
-            _timed(f"reconcile of {name}", controller.reconcile)
+            _timed(f"reconcile of {name}", lambda: controller.reconcile(snapshot.reads(name) if snapshot else None))
             row = self.store.get_service(name)
             if row is not None and row.status == ServiceStatus.SHUTTING_DOWN:
                 self._finish_down(name)
@@ -389,14 +394,26 @@ class Daemon:
         until the last service's is done, goes to spot_daemon_pass_seconds{job="reconcile"}."""
         names = list(self.controllers)
         done = _PassTimer(len(names), self.metrics.passes.labels("reconcile").observe)
+        snapshot = FleetSnapshot(self.store)  # the fleet's rows in two queries, not a dozen per service
         for name in names:
-            self._reconcile_pool.submit(self.reconcile_service, name).add_done_callback(done)
+            self._reconcile_pool.submit(self.reconcile_service, name, snapshot).add_done_callback(done)
 
     def probe_all(self) -> None:
+        """Every service's replicas probed together (one Prober.check), then each service's
+        outcomes applied; the pass's time goes to spot_daemon_pass_seconds{job="probe"}."""
         started = time.monotonic()
+        snapshot = FleetSnapshot(self.store)
+        rounds = []
         for name, controller in list(self.controllers.items()):
             try:
-                _timed(f"probe of {name}", controller.probe)
+                rounds.append((name, controller, controller.probe_targets(snapshot.reads(name))))
+            except Exception:
+                log.exception("probe of %s failed", name)
+        oks = iter(self.prober.check([target for *_, targets in rounds for _, target in targets]))
+        for name, controller, targets in rounds:
+            results = [(r, next(oks)) for r, _ in targets]
+            try:
+                _timed(f"probe of {name}", functools.partial(controller.apply_probes, results, snapshot.reads(name)))
             except Exception:
                 log.exception("probe of %s failed", name)
         self.metrics.passes.labels("probe").observe(time.monotonic() - started)
@@ -429,6 +446,7 @@ class Daemon:
         self._reconcile_pool.shutdown(wait=False, cancel_futures=True)
         for provider in self.providers.values():
             provider.close()
+        self.prober.close()
 
 
 class DaemonServer:
