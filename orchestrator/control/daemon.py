@@ -106,6 +106,8 @@ class _PassTimer:
         self._left, self._report = services, report
         self._started = time.monotonic()
         self._lock = threading.Lock()
+        if not services:  # a pass over no service is done at once
+            report(0.0)
 
     def __call__(self, _future) -> None:
         with self._lock:
