@@ -22,7 +22,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry
 
@@ -117,9 +116,8 @@ class Controller:
         # The daemon's one prober for every service; a controller on its own makes its own.
         self._prober, self._own_prober = (prober, False) if prober is not None else (Prober(), True)
         self._spec: tuple[str, ServiceSpec] | None = None  # (spec_json, parsed): parsed once per spec
-        # Cloud calls that take seconds (launch, terminate) run on this pool, outside the lock,
+        # Cloud calls that take seconds (launch, terminate) run on threads of their own, outside the lock,
         # so a notice is never held up by one. Tests that replay a fixed order run them inline.
-        self._cloud_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"cloud-{service}")
         self._inline = inline_cloud_calls
         self._terminating: set[str] = set()  # instance ids with a terminate call in flight
         self._pass = threading.Lock()  # one reconcile pass at a time
@@ -446,7 +444,8 @@ class Controller:
             for job in launches:
                 self._carry_out_launch(*job)
         elif launches:
-            list(self._cloud_pool.map(lambda job: self._carry_out_launch(*job), launches))
+            for thread in [self._in_background(self._carry_out_launch, *job) for job in launches]:
+                thread.join()
 
     def _launch(self, spec: ServiceSpec, offer: Offer, reason: str) -> PendingLaunch | None:
         """Record the replica (PROVISIONING) and build its request; the cloud call comes after
@@ -551,7 +550,15 @@ class Controller:
         if self._inline:
             job()
         else:
-            self._cloud_pool.submit(job)
+            self._in_background(job)
+
+    def _in_background(self, call: Callable[..., object], *args) -> threading.Thread:
+        """A cloud call on a thread of its own, gone when the call ends: a pool per service kept
+        its idle threads for good (four per 4-replica service, thousands in a large fleet), and
+        one pool for all would let a slow cloud hold up every other service's launches."""
+        thread = threading.Thread(target=call, args=args, name=f"cloud-{self.service}", daemon=True)
+        thread.start()
+        return thread
 
     def _advance_shutdowns(self, instances: Observed) -> None:
         for r in self.store.list_replicas(self.service):
@@ -716,7 +723,6 @@ class Controller:
             self.on_upstreams(self.upstreams())
 
     def close(self) -> None:
-        self._cloud_pool.shutdown(wait=False)
         if self._own_prober:
             self._prober.close()
 
