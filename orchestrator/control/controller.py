@@ -2,8 +2,10 @@
 
 Level-triggered and idempotent: every call reads the store and the provider afresh, so a
 missed tick, a crash or a duplicate call changes nothing but timing. One Controller per
-service; the daemon calls `reconcile()` and `probe()` from its scheduler jobs and
-`handle_notice()` when a notice arrives (through migration.py).
+service; the daemon calls `reconcile()` (with its pass's fleet snapshot, control/snapshot.py)
+and, for probes, `probe_targets()` and `apply_probes()` around one Prober.check of every
+service's replicas (control/prober.py) from its scheduler jobs, and `handle_notice()` when a
+notice arrives (through migration.py).
 
 What reconcile does, in order:
 1. observe: replicas whose instance is gone become PREEMPTED (spot / noticed) or FAILED;
@@ -116,6 +118,7 @@ class Controller:
         # The daemon's one prober for every service; a controller on its own makes its own.
         self._prober, self._own_prober = (prober, False) if prober is not None else (Prober(), True)
         self._spec: tuple[str, ServiceSpec] | None = None  # (spec_json, parsed): parsed once per spec
+        self._published: list[Upstream] | None = None  # the replica set the load balancer has
         # Cloud calls that take seconds (launch, terminate) run on threads of their own, outside the lock,
         # so a notice is never held up by one. Tests that replay a fixed order run them inline.
         self._inline = inline_cloud_calls
@@ -719,8 +722,15 @@ class Controller:
         ]
 
     def publish_upstreams(self) -> None:
-        if self.on_upstreams is not None:
-            self.on_upstreams(self.upstreams())
+        """Tell the load balancer the replica set, when it changed since the last one it took
+        (every pass and probe round asks: a large fleet's LBs would re-check thousands of
+        unchanged URLs a second). Called under the controller's lock."""
+        if self.on_upstreams is None:
+            return
+        upstreams = self.upstreams()
+        if upstreams != self._published:
+            self.on_upstreams(upstreams)
+            self._published = upstreams
 
     def close(self) -> None:
         if self._own_prober:
