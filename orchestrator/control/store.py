@@ -198,6 +198,8 @@ _REPLICA_FIELDS = frozenset(ReplicaRow.model_fields) - {
     "created_at",
 }
 _TERMINAL_VALUES = tuple(s.value for s in TERMINAL_STATES)
+# Tables a fleet snapshot (orchestrator.control.snapshot) does not hold.
+_UNSNAPSHOTTED_TABLES = frozenset({"events", "price_quotes", "locations", "bootstrap_tokens"})
 
 
 class _Ops:
@@ -656,7 +658,11 @@ class Store(_Ops):
                 self.generation = next(self._writes)
 
     def _on_execute(self, _conn, _cursor, _statement, _params, context, _executemany) -> None:
-        if context.isinsert or context.isupdate or context.isdelete:
+        if not (context.isinsert or context.isupdate or context.isdelete):
+            return
+        # Events, quotes and tokens are not in a snapshot: writing them leaves it current.
+        table = getattr(getattr(getattr(context, "compiled", None), "statement", None), "table", None)
+        if getattr(table, "name", None) not in _UNSNAPSHOTTED_TABLES:
             self._local.wrote = True
 
     @contextlib.contextmanager

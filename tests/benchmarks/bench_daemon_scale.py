@@ -6,8 +6,9 @@
 Three processes per size: one health stand-in (tests/fakes/health_standin.py) that answers every
 replica's readiness probe, the daemon (this script re-run with --serve-daemon: the real Daemon
 and its API server, its provider the in-memory cloud of tests/fakes/memory_cloud.py, each
-machine a path under the stand-in) and this one, which brings up N services of 4 replicas each
-through the daemon's API, waits until every replica is READY, then measures over a quiet
+machine a path under the stand-in) and this one. N services of 4 READY replicas each are seeded
+as a stopped daemon leaves them (store rows, running machines); the daemon adopts them on start,
+and once every service and replica is READY and two passes ended, this one measures over a quiet
 window (nothing launched, nothing failing, every probe answered):
 
 - `rss_mb`: the daemon's resident memory (psutil) at the window's end;
@@ -60,17 +61,26 @@ READY_TIMEOUT_S = 900.0
 
 # ---- the daemon's side (this script re-run with --serve-daemon) ----------------------------
 
-def serve_daemon(health_url: str, bare_lbs: int) -> None:
+def serve_daemon(health_url: str, bare_lbs: int, machines: str | None) -> None:
     """The daemon on the memory cloud, in the foreground; prints its URL and token once up.
-    With bare_lbs > 0, also that many load balancers with no service (their share, measured)."""
+    With bare_lbs > 0, also that many load balancers with no service (their share, measured);
+    `machines`: the seeded fleet's instances (a JSON file), running before the daemon starts."""
     from orchestrator.control.daemon import Daemon, DaemonServer
     from orchestrator.control.store import Store
+    from providers.base import Instance, InstanceStatus, Location, Market
     from tests.fakes.memory_cloud import MemoryCloud, MemoryLauncher
 
     clouds: dict[str, MemoryCloud] = {}
+    seeded = json.loads(Path(machines).read_text()) if machines else []
 
     def provider(cloud: str) -> MemoryCloud:
-        return clouds.setdefault(cloud, MemoryCloud(cloud, health_url))
+        if cloud not in clouds:
+            clouds[cloud] = MemoryCloud(cloud, health_url)
+            clouds[cloud].restore(
+                Instance(m["id"], Location(cloud, m["region"], m["zone"]), Market(m["market"]), m["type"],
+                         InstanceStatus.RUNNING, tags=m["tags"], endpoint=m["endpoint"])
+                for m in seeded if m["cloud"] == cloud)
+        return clouds[cloud]
 
     daemon = Daemon(store=Store(), provider_factory=provider, launcher=MemoryLauncher())
     if bare_lbs:
@@ -121,12 +131,14 @@ def pass_buckets(client, job: str) -> dict[float, float]:
 class DaemonProcess:
     """A daemon process on the memory cloud (this script with --serve-daemon)."""
 
-    def __init__(self, health_url: str, home: str, bare_lbs: int = 0):
+    def __init__(self, health_url: str, home: str, bare_lbs: int = 0, machines: str | None = None):
         import httpx
 
         env = {**os.environ, "SPOT_ORCHESTRATOR_HOME": home, "PYTHONPATH": str(REPO)}
+        extra = ["--machines", machines] if machines else []
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve-daemon", health_url,
-                                      "--bare-lbs", str(bare_lbs)], stdout=subprocess.PIPE, text=True, env=env)
+                                      "--bare-lbs", str(bare_lbs), *extra], stdout=subprocess.PIPE, text=True,
+                                     env=env)
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the daemon did not start (exit {self.proc.wait()})")
@@ -140,22 +152,69 @@ class DaemonProcess:
         self.proc.wait()
 
 
-def bring_up(client, services: int) -> int:
-    """Applies the services through the API; waits until every replica is READY. Returns how
-    many replicas are not READY at the deadline (0 when all came up)."""
+def seed(home: str, services: int, health_url: str) -> str:
+    """The state a stopped daemon left with `services` READY services of 4 READY replicas, in
+    its store, and their machines (a JSON file for the memory cloud): the new daemon adopts them
+    on start (restore_services), as after a restart. Bringing a thousand services up through
+    the API instead takes most of an hour on two cores: every launch is a write, and a pass
+    after a write reads row by row (orchestrator/control/snapshot.py). Returns the file's path."""
+    from orchestrator.control.daemon import free_port
+    from orchestrator.control.store import ServiceStatus, Store
+    from orchestrator.fleet.lifecycle import ReplicaState as S
+    from orchestrator.spec import load_spec_text
+    from providers.base import LaunchRequest, Location, Market
+
+    store = Store(f"sqlite:///{home}/state.db")
+    machines = []
     for i in range(services):
-        resp = client.post("/v1/services", json={"yaml": SPEC.format(name=f"s{i:04d}", replicas=REPLICAS)})
-        resp.raise_for_status()
+        name, port = f"s{i:04d}", free_port()
+        spec = load_spec_text(SPEC.format(name=name, replicas=REPLICAS))
+        with store.transaction() as tx:
+            row = tx.create_or_update_service(name, spec.to_json(), status=ServiceStatus.READY,
+                                              endpoint=f"http://127.0.0.1:{port}", lb_port=port)
+            for k in range(REPLICAS):
+                zone = "local-a" if k % 2 else "local-b"
+                r = tx.add_replica(name, cloud="local", region="local-1", zone=zone, market="spot")
+                r = tx.update_replica(r.replica_id, r.version, state=S.PROVISIONING.value, instance_type="mem.gpu",
+                                      price_per_hour=0.4, reason="seeded")
+                instance_id, now = f"m-{name}-{k}", time.time()
+                endpoint = f"{health_url}/m/{instance_id}"
+                r = tx.update_replica(r.replica_id, r.version, state=S.STARTING.value, instance_id=instance_id,
+                                      endpoint=endpoint, launched_at=now, reason="seeded")
+                tx.update_replica(r.replica_id, r.version, state=S.READY.value, ready_at=now, last_probe_ok_at=now,
+                                  reason="seeded")
+                tags = LaunchRequest(name, r.replica_id, Location("local", "local-1", zone), Market.SPOT, "mem.gpu",
+                                     incarnation=row.incarnation).all_tags()
+                machines.append({"id": instance_id, "cloud": "local", "region": "local-1", "zone": zone,
+                                 "market": "spot", "type": "mem.gpu", "tags": tags, "endpoint": endpoint})
+    store.close()
+    path = Path(home) / "machines.json"
+    path.write_text(json.dumps(machines))
+    return str(path)
+
+
+def settled(client, services: int) -> int:
+    """Waits until every service and replica is READY and two reconcile passes ended after that
+    (the window must open on a quiet fleet). Returns how many replicas are not READY at the
+    deadline (0 when all are)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     missing = services * REPLICAS
     while time.monotonic() < deadline:
         listed = client.get("/v1/services").json()
         ready = sum(1 for s in listed for r in s.get("replicas", []) if r.get("state") == "READY")
         missing = services * REPLICAS - ready
-        if missing <= 0:
+        if missing <= 0 and all(s["status"] == "READY" for s in listed):
+            passes = pass_count(client)
+            while pass_count(client) < passes + 2 and time.monotonic() < deadline:
+                time.sleep(1)
             return 0
         time.sleep(2)
     return missing
+
+
+def pass_count(client) -> float:
+    """Reconcile passes the daemon has finished."""
+    return max(pass_buckets(client, "reconcile").values(), default=0.0)
 
 
 def standin_count(health_url: str) -> int:
@@ -168,10 +227,9 @@ def measure(services: int, health_url: str, quiet_s: float) -> dict:
     import psutil
 
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as home:
-        daemon = DaemonProcess(health_url, home)
+        daemon = DaemonProcess(health_url, home, machines=seed(home, services, health_url))
         try:
-            not_ready = bring_up(daemon.client, services)
-            time.sleep(5)  # the last READY transitions' passes end before the window opens
+            not_ready = settled(daemon.client, services)
             before = {job: pass_buckets(daemon.client, job) for job in ("reconcile", "probe")}
             probes_before = standin_count(health_url)
             ps = psutil.Process(daemon.proc.pid)
@@ -227,9 +285,10 @@ def main() -> None:
     parser.add_argument("--quiet-s", type=float, default=10.0 if quick else 60.0)
     parser.add_argument("--serve-daemon", help=argparse.SUPPRESS)
     parser.add_argument("--bare-lbs", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--machines", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_daemon:
-        return serve_daemon(args.serve_daemon, args.bare_lbs)
+        return serve_daemon(args.serve_daemon, args.bare_lbs, args.machines)
     try:
         sizes = sorted({int(s) for s in args.sizes.split(",")})
     except ValueError:

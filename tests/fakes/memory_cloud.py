@@ -63,6 +63,13 @@ class MemoryCloud(Provider):
             self._service_of[instance_id] = request.service
             return inst
 
+    def restore(self, instances: Iterable[Instance]) -> None:
+        """Machines that outlived a daemon (a benchmark's fleet, seeded before the daemon starts)."""
+        with self._lock:
+            for inst in instances:
+                self._by_service[inst.service or ""][inst.instance_id] = inst
+                self._service_of[inst.instance_id] = inst.service or ""
+
     def get(self, instance_id: str) -> Instance | None:
         with self._lock:
             return self._by_service.get(self._service_of.get(instance_id, ""), {}).get(instance_id)
