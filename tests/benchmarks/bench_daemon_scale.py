@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -158,16 +159,15 @@ def seed(home: str, services: int, health_url: str) -> str:
     on start (restore_services), as after a restart. Bringing a thousand services up through
     the API instead takes most of an hour on two cores: every launch is a write, and a pass
     after a write reads row by row (orchestrator/control/snapshot.py). Returns the file's path."""
-    from orchestrator.control.daemon import free_port
     from orchestrator.control.store import ServiceStatus, Store
     from orchestrator.fleet.lifecycle import ReplicaState as S
     from orchestrator.spec import load_spec_text
     from providers.base import LaunchRequest, Location, Market
 
     store = Store(f"sqlite:///{home}/state.db")
-    machines = []
+    machines, ports = [], lb_ports()
     for i in range(services):
-        name, port = f"s{i:04d}", free_port()
+        name, port = f"s{i:04d}", next(ports)
         spec = load_spec_text(SPEC.format(name=name, replicas=REPLICAS))
         with store.transaction() as tx:
             row = tx.create_or_update_service(name, spec.to_json(), status=ServiceStatus.READY,
@@ -191,6 +191,21 @@ def seed(home: str, services: int, health_url: str) -> str:
     path = Path(home) / "machines.json"
     path.write_text(json.dumps(machines))
     return str(path)
+
+
+def lb_ports(start: int = 20000):
+    """Free ports below the ephemeral range, for the seeded services' load balancers: a port
+    free_port() finds there may be a probe connection's own local port by the time the daemon
+    starts its load balancer on it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in range(start, low):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        yield port
+    raise RuntimeError(f"no free port left below {low}")
 
 
 def settled(client, services: int) -> int:
