@@ -2,8 +2,10 @@
 
 Level-triggered and idempotent: every call reads the store and the provider afresh, so a
 missed tick, a crash or a duplicate call changes nothing but timing. One Controller per
-service; the daemon calls `reconcile()` and `probe()` from its scheduler jobs and
-`handle_notice()` when a notice arrives (through migration.py).
+service; the daemon calls `reconcile()` (with its pass's fleet snapshot, control/snapshot.py)
+and, for probes, `probe_targets()` and `apply_probes()` around one Prober.check of every
+service's replicas (control/prober.py) from its scheduler jobs, and `handle_notice()` when a
+notice arrives (through migration.py).
 
 What reconcile does, in order:
 1. observe: replicas whose instance is gone become PREEMPTED (spot / noticed) or FAILED;
@@ -18,15 +20,13 @@ What reconcile does, in order:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 
-import httpx
 from prometheus_client import CollectorRegistry
 
 from orchestrator.fleet import decisions, rollout
@@ -37,6 +37,8 @@ from orchestrator.fleet.lifecycle import ReplicaState, is_alive
 from orchestrator.control.clouds import Clouds, Observed
 from orchestrator.control.launch import ReplicaLauncher
 from orchestrator.control.metrics import FleetCounters
+from orchestrator.control.prober import Prober, ProbeTarget
+from orchestrator.control.snapshot import ServiceReads
 from orchestrator.spec import ServiceSpec, spec_from_json
 from orchestrator.spec.revision import launch_revision
 from orchestrator.control.store import ReplicaRow, ServiceStatus, Store
@@ -99,9 +101,11 @@ class Controller:
         clock: Callable[[], float] = time.time,
         inline_cloud_calls: bool = False,
         counters: FleetCounters | None = None,
+        prober: Prober | None = None,
     ):
         self.service = service
-        self.store = store
+        self._store = store
+        self._view = threading.local()  # this thread's pass reads (a snapshot), if any
         # One provider per cloud the service uses (a service may span clouds).
         self.clouds = Clouds.of(provider)
         self.launcher = launcher
@@ -118,11 +122,12 @@ class Controller:
         self._offers = offers or (lambda: Offers(self.clouds.offers()))
         self.reconciles = 0
         self._lock = threading.RLock()  # jobs, API calls and notices may arrive concurrently
-        self._http = httpx.Client(timeout=15.0)
-        self._probe_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"probe-{service}")
-        # Cloud calls that take seconds (launch, terminate) run on this pool, outside the lock,
+        # The daemon's one prober for every service; a controller on its own makes its own.
+        self._prober, self._own_prober = (prober, False) if prober is not None else (Prober(), True)
+        self._spec: tuple[str, ServiceSpec] | None = None  # (spec_json, parsed): parsed once per spec
+        self._published: list[Upstream] | None = None  # the replica set the load balancer has
+        # Cloud calls that take seconds (launch, terminate) run on threads of their own, outside the lock,
         # so a notice is never held up by one. Tests that replay a fixed order run them inline.
-        self._cloud_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"cloud-{service}")
         self._inline = inline_cloud_calls
         self._terminating: set[str] = set()  # instance ids with a terminate call in flight
         self._pass = threading.Lock()  # one reconcile pass at a time
@@ -141,13 +146,30 @@ class Controller:
             now=clock(),
         )
 
+    @property
+    def store(self) -> Store:
+        """The store; within a pass given a fleet snapshot, that pass's reads of it (its own
+        thread only: notices and API calls meanwhile read the store itself)."""
+        return getattr(self._view, "reads", None) or self._store
+
+    @contextlib.contextmanager
+    def _reading(self, reads: ServiceReads | None) -> Iterator[None]:
+        self._view.reads = reads
+        try:
+            yield
+        finally:
+            self._view.reads = None
+
     # ---- inputs -----------------------------------------------------------------------
 
     def spec(self) -> ServiceSpec:
         row = self.store.get_service(self.service)
         if row is None:
             raise KeyError(f"service {self.service!r} does not exist")
-        return spec_from_json(row.spec_json)
+        cached = self._spec
+        if cached is None or cached[0] != row.spec_json:
+            cached = self._spec = (row.spec_json, spec_from_json(row.spec_json))
+        return cached[1]
 
     def _replay_market_events(self) -> None:
         """Rebuild the policy's view (a fold over market events) from the events table."""
@@ -183,46 +205,50 @@ class Controller:
 
     # ---- the reconcile loop -------------------------------------------------------------
 
-    def reconcile(self) -> None:
+    def reconcile(self, reads: ServiceReads | None = None) -> None:
         """One pass. The cloud calls (list, notices, launches) run outside the lock that
         notices take, so a notice never waits for a launch; a pass already running (a slow
-        launch) makes this one a no-op."""
+        launch) makes this one a no-op. `reads`: the daemon's fleet snapshot for this pass."""
         if not self._pass.acquire(blocking=False):
             return
         try:
-            svc = self.store.get_service(self.service)
-            if svc is None:
-                return
-            if svc.status == ServiceStatus.SHUTTING_DOWN:
-                self._shut_down_all()
-                return
-            instances = self._observe_instances()
-            if instances is None:
-                return  # the provider could not be read: decide nothing on stale facts
-            notices = self._provider_notices()
-            with self._lock:
-                self._settle_unrecorded(instances)
-                self._observe_deaths(instances)
-                self._observe_endpoints(instances)
-            for notice in notices:
-                self.on_notice(notice)
-            with self._lock:
-                spec = self.spec()
-                self._enforce_drain_deadlines()
-                update = self._update_step(spec, svc.update_mode)
-                retiring = self._retire(update.retire) if update is not None else []
-                # A FAILED service launches nothing more until a new spec (each launch would fail too).
-                hidden = update.hidden if update is not None else frozenset()
-                launches = self._apply_policy(spec, hidden) if svc.status != ServiceStatus.FAILED else []
-                self._advance_shutdowns(instances)
-                self._update_service_status()
-                self.publish_upstreams()
-            if retiring:
-                self.on_retire(retiring)
-            self.carry_out(launches)
-            self.reconciles += 1  # completed passes (tests and status pages read it)
+            with self._reading(reads):
+                self._reconcile()
         finally:
             self._pass.release()
+
+    def _reconcile(self) -> None:
+        svc = self.store.get_service(self.service)
+        if svc is None:
+            return
+        if svc.status == ServiceStatus.SHUTTING_DOWN:
+            self._shut_down_all()
+            return
+        instances = self._observe_instances()
+        if instances is None:
+            return  # the provider could not be read: decide nothing on stale facts
+        notices = self._provider_notices()
+        with self._lock:
+            self._settle_unrecorded(instances)
+            self._observe_deaths(instances)
+            self._observe_endpoints(instances)
+        for notice in notices:
+            self.on_notice(notice)
+        with self._lock:
+            spec = self.spec()
+            self._enforce_drain_deadlines()
+            update = self._update_step(spec, svc.update_mode)
+            retiring = self._retire(update.retire) if update is not None else []
+            # A FAILED service launches nothing more until a new spec (each launch would fail too).
+            hidden = update.hidden if update is not None else frozenset()
+            launches = self._apply_policy(spec, hidden) if svc.status != ServiceStatus.FAILED else []
+            self._advance_shutdowns(instances)
+            self._update_service_status()
+            self.publish_upstreams()
+        if retiring:
+            self.on_retire(retiring)
+        self.carry_out(launches)
+        self.reconciles += 1  # completed passes (tests and status pages read it)
 
     def regions(self) -> dict[str, list[str]]:
         """Per cloud, the regions this service's instances may be in: its candidates' and its
@@ -498,7 +524,8 @@ class Controller:
             for job in launches:
                 self._carry_out_launch(*job)
         elif launches:
-            list(self._cloud_pool.map(lambda job: self._carry_out_launch(*job), launches))
+            for thread in [self._in_background(self._carry_out_launch, *job) for job in launches]:
+                thread.join()
 
     def _launch(self, spec: ServiceSpec, offer: Offer, reason: str) -> PendingLaunch | None:
         """Record the replica (PROVISIONING) and build its request; the cloud call comes after
@@ -604,7 +631,15 @@ class Controller:
         if self._inline:
             job()
         else:
-            self._cloud_pool.submit(job)
+            self._in_background(job)
+
+    def _in_background(self, call: Callable[..., object], *args) -> threading.Thread:
+        """A cloud call on a thread of its own, gone when the call ends: a pool per service kept
+        its idle threads for good (four per 4-replica service, thousands in a large fleet), and
+        one pool for all would let a slow cloud hold up every other service's launches."""
+        thread = threading.Thread(target=call, args=args, name=f"cloud-{self.service}", daemon=True)
+        thread.start()
+        return thread
 
     def _advance_shutdowns(self, instances: Observed) -> None:
         for r in self.store.list_replicas(self.service):
@@ -684,42 +719,37 @@ class Controller:
 
     # ---- readiness probes -------------------------------------------------------------
 
-    def probe(self) -> None:
-        """Probe every replica that has an endpoint, in parallel; apply the outcomes."""
-        spec_row = self.store.get_service(self.service)
-        if spec_row is None:
-            return
-        probe = spec_from_json(spec_row.spec_json).service.readiness_probe
-        targets = [
-            r
-            for r in self.store.list_replicas(self.service)
-            if r.endpoint and r.replica_state in (S.STARTING, S.READY, S.NOT_READY)
-        ]
-        results = list(self._probe_pool.map(lambda r: (r, self._probe_once(r, probe)), targets))
-        with self._lock:
+    def probe(self, reads: ServiceReads | None = None) -> None:
+        """Probe every replica that has an endpoint, all at once; apply the outcomes."""
+        targets = self.probe_targets(reads)
+        oks = self._prober.check([target for _, target in targets])
+        self.apply_probes([(r, ok) for (r, _), ok in zip(targets, oks, strict=True)], reads)
+
+    def probe_targets(self, reads: ServiceReads | None = None) -> list[tuple[ReplicaRow, ProbeTarget]]:
+        """The replicas to probe now (starting or serving, with an endpoint), each with its
+        check; the daemon sends every service's together (Prober.check)."""
+        with self._reading(reads):
+            try:
+                probe = self.spec().service.readiness_probe
+            except KeyError:
+                return []
+            return [(r, ProbeTarget.of(r.endpoint, probe)) for r in self.store.list_replicas(self.service)
+                    if r.endpoint and r.replica_state in (S.STARTING, S.READY, S.NOT_READY)]
+
+    def apply_probes(self, results: list[tuple[ReplicaRow, bool]], reads: ServiceReads | None = None) -> None:
+        """Each probed replica's outcome, unless its row changed meanwhile; then the service's
+        status and the load balancer's upstreams follow."""
+        with self._reading(reads), self._lock:
+            try:
+                probe = self.spec().service.readiness_probe
+            except KeyError:
+                return
             for r, ok in results:
                 current = self.store.get_replica(r.replica_id)
                 if current is not None and current.version == r.version:
                     self._apply_probe(current, ok, probe)
             self._update_service_status()
             self.publish_upstreams()
-
-    def _probe_once(self, r: ReplicaRow, probe) -> bool:
-        url = r.endpoint.rstrip("/") + probe.path
-        try:
-            if probe.post_data is not None:
-                body = probe.post_data if isinstance(probe.post_data, str) else json.dumps(dict(probe.post_data))
-                resp = self._http.post(
-                    url,
-                    content=body,
-                    headers={"Content-Type": "application/json", **dict(probe.headers)},
-                    timeout=probe.timeout_seconds,
-                )
-            else:
-                resp = self._http.get(url, headers=dict(probe.headers), timeout=probe.timeout_seconds)
-            return resp.status_code == 200
-        except httpx.HTTPError:
-            return False
 
     def _apply_probe(self, r: ReplicaRow, ok: bool, probe) -> None:
         now = self.clock()
@@ -770,13 +800,19 @@ class Controller:
         ]
 
     def publish_upstreams(self) -> None:
-        if self.on_upstreams is not None:
-            self.on_upstreams(self.upstreams())
+        """Tell the load balancer the replica set, when it changed since the last one it took
+        (every pass and probe round asks: a large fleet's LBs would re-check thousands of
+        unchanged URLs a second). Called under the controller's lock."""
+        if self.on_upstreams is None:
+            return
+        upstreams = self.upstreams()
+        if upstreams != self._published:
+            self.on_upstreams(upstreams)
+            self._published = upstreams
 
     def close(self) -> None:
-        self._probe_pool.shutdown(wait=False, cancel_futures=True)
-        self._cloud_pool.shutdown(wait=False)
-        self._http.close()
+        if self._own_prober:
+            self._prober.close()
 
 
 PendingLaunch = tuple[ReplicaRow, LaunchRequest, str]  # (its PROVISIONING row, the request, the reason)

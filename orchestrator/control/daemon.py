@@ -2,7 +2,7 @@
 
 Each job calls one function of the library, so the daemon stays small:
     reconcile  every 2 s   Controller.reconcile() for each service
-    probe      every 2 s   Controller.probe() for each service
+    probe      every 2 s   every service's replicas probed at once (Prober), Controller.apply_probes()
     prices     per cloud   pricebook.refresh_prices() (clouds whose quotes are cached)
     orphans    every 30 s  OrphanSweeper.sweep() (and once at start): machines nobody owns
 All state is in the store; a restarted daemon rebuilds controllers and policies from it
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import fcntl
+import functools
 import importlib
 import logging
 import os
@@ -48,6 +49,8 @@ from orchestrator.common.errors import UserError, exit_code_of
 from orchestrator.control.balancers import Balancers, InProcessBalancers, ServiceBalancer
 from orchestrator.control.pricebook import PriceBook, refresh_prices
 from orchestrator.control.migration import Migrator
+from orchestrator.control.prober import Prober
+from orchestrator.control.snapshot import FleetSnapshot
 from orchestrator.control.metrics import DaemonMetrics
 from orchestrator.control.boot import BootScripts
 from orchestrator.control.clouds import Clouds
@@ -99,6 +102,24 @@ def _timed(what: str, step: Callable[[], object]) -> None:
             log.warning("%s took %.0fs; the passes due meanwhile were skipped", what, took)
 
 
+class _PassTimer:
+    """Counts a pass's services as their futures finish; reports the pass's time after the last."""
+
+    def __init__(self, services: int, report: Callable[[float], None]):
+        self._left, self._report = services, report
+        self._started = time.monotonic()
+        self._lock = threading.Lock()
+        if not services:  # a pass over no service is done at once
+            report(0.0)
+
+    def __call__(self, _future) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._report(time.monotonic() - self._started)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -138,6 +159,7 @@ class Daemon:
                                  registry=self.metrics.registry)
         self.book = PriceBook()  # live quotes of the real clouds in use (the local cloud prices itself)
         self.orphans = orphans.OrphanSweeper(self.store, self.provider)
+        self.prober = Prober()  # every service's readiness probes, from one event loop
         self._lock = threading.RLock()
         self.started_at = time.time()
         self._reconcile_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="reconcile")
@@ -270,6 +292,7 @@ class Daemon:
             on_notice=self.migrator.on_notice,
             on_retire=self.migrator.retire,
             counters=self.metrics.counters,
+            prober=self.prober,
         )
         self.controllers[name] = controller
         controller.publish_upstreams()
@@ -392,7 +415,7 @@ class Daemon:
 
     # ---- jobs -------------------------------------------------------------------------
 
-    def reconcile_service(self, name: str) -> None:
+    def reconcile_service(self, name: str, snapshot: FleetSnapshot | None = None) -> None:
         controller = self.controllers.get(name)
         try:
             if controller is None:  # a service whose controller could not start: only `down` works
@@ -400,7 +423,7 @@ class Daemon:
                 if row is not None and row.status == ServiceStatus.SHUTTING_DOWN:
                     self._finish_down(name)
                 return
-            _timed(f"reconcile of {name}", controller.reconcile)
+            _timed(f"reconcile of {name}", lambda: controller.reconcile(snapshot.reads(name) if snapshot else None))
             row = self.store.get_service(name)
             if row is not None and row.status == ServiceStatus.SHUTTING_DOWN:
                 self._finish_down(name)
@@ -409,20 +432,37 @@ class Daemon:
 
     def reconcile_all(self) -> None:
         """Each service's pass in its own thread: one slow cloud launch holds up only its own
-        service (whose next pass is skipped while it runs), never the others."""
-        for name in list(self.controllers):
-            self._reconcile_pool.submit(self.reconcile_service, name)
+        service (whose next pass is skipped while it runs), never the others. The pass's time,
+        until the last service's is done, goes to spot_daemon_pass_seconds{job="reconcile"}."""
+        names = list(self.controllers)
+        done = _PassTimer(len(names), self.metrics.passes.labels("reconcile").observe)
+        snapshot = FleetSnapshot(self.store)  # the fleet's rows in two queries, not a dozen per service
+        for name in names:
+            self._reconcile_pool.submit(self.reconcile_service, name, snapshot).add_done_callback(done)
 
     def probe_all(self) -> None:
+        """Every service's replicas probed together (one Prober.check), then each service's
+        outcomes applied; the pass's time goes to spot_daemon_pass_seconds{job="probe"}."""
         try:
             self.balancers.check()  # a data plane that died is started again and re-fed
         except Exception:
             log.exception("the data plane check failed")
+        started = time.monotonic()
+        snapshot = FleetSnapshot(self.store)
+        rounds = []
         for name, controller in list(self.controllers.items()):
             try:
-                _timed(f"probe of {name}", controller.probe)
+                rounds.append((name, controller, controller.probe_targets(snapshot.reads(name))))
             except Exception:
                 log.exception("probe of %s failed", name)
+        oks = iter(self.prober.check([target for *_, targets in rounds for _, target in targets]))
+        for name, controller, targets in rounds:
+            results = [(r, next(oks)) for r, _ in targets]
+            try:
+                _timed(f"probe of {name}", functools.partial(controller.apply_probes, results, snapshot.reads(name)))
+            except Exception:
+                log.exception("probe of %s failed", name)
+        self.metrics.passes.labels("probe").observe(time.monotonic() - started)
 
     def sweep_orphans(self, now_all: bool = False) -> list[dict]:
         try:
@@ -452,6 +492,7 @@ class Daemon:
         self._reconcile_pool.shutdown(wait=False, cancel_futures=True)
         for provider in self.providers.values():
             provider.close()
+        self.prober.close()
 
 
 class DaemonServer:

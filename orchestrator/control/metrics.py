@@ -5,7 +5,9 @@ its $/hour from the store (`spot_replicas`, `spot_fleet_cost_per_hour`, priced b
 orchestrator.control.costing). Counted as they happen, by the controllers (`FleetCounters`):
 preemptions, notices and launch failures by kind; by the migrator, in this registry, each
 service's spot_migration_*. The daemon makes one `DaemonMetrics` and hands its counters to
-every controller and its registry to the migrator.
+every controller and its registry to the migrator, and times its own passes into `passes`
+(`spot_daemon_pass_seconds`: one reconcile or probe pass over every service; what tells an
+operator the daemon keeps up with its fleet).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from collections import Counter as Tally
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from orchestrator.control import costing
@@ -24,6 +26,9 @@ from providers.base import AuthError, CapacityError, ProviderError, QuotaError, 
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 log = logging.getLogger(__name__)
+# Dense below a second: a pass over the whole fleet is meant to stay under one (docs/architecture.md).
+PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0,
+                5.0, 10.0, 30.0)
 
 
 def failure_kind(err: BaseException) -> str:
@@ -96,6 +101,8 @@ class DaemonMetrics:
     def __init__(self, store, lb_text: Callable[[], bytes] = bytes, clock: Callable[[], float] = time.time):
         self.registry = CollectorRegistry()
         self.counters = FleetCounters(self.registry)
+        self.passes = Histogram("spot_daemon_pass_seconds", "One reconcile or probe pass over every service",
+                                ["job"], buckets=PASS_BUCKETS, registry=self.registry)
         self.registry.register(_FleetCollector(store, clock))
         self._lb_text = lb_text
 

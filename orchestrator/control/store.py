@@ -16,6 +16,7 @@ database's schema up to this code's first (orchestrator.control.migrations).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import secrets
@@ -202,6 +203,8 @@ _REPLICA_FIELDS = frozenset(ReplicaRow.model_fields) - {
     "created_at",
 }
 _TERMINAL_VALUES = tuple(s.value for s in TERMINAL_STATES)
+# Tables a fleet snapshot (orchestrator.control.snapshot) does not hold.
+_UNSNAPSHOTTED_TABLES = frozenset({"events", "price_quotes", "locations", "bootstrap_tokens"})
 
 
 class _Ops:
@@ -639,6 +642,12 @@ class Store(_Ops):
         self.url = url or default_url()
         self.engine = make_engine(self.url)
         self._local = threading.local()
+        # Bumped after every committed transaction that wrote (its thread's flag, set by any
+        # INSERT, UPDATE or DELETE): a fleet snapshot (orchestrator.control.snapshot) stays
+        # current while it is unchanged. The daemon is its database's only writer (one leader).
+        self._writes = itertools.count(1)
+        self.generation = 0
+        event.listen(self.engine, "after_cursor_execute", self._on_execute)
         try:
             migrations.upgrade(self.engine)  # SchemaTooNew for a database of a newer version
         except BaseException:
@@ -653,12 +662,23 @@ class Store(_Ops):
             # On SQLite a second transaction would wait for the first one's lock: forever.
             raise StateError("a Store method was called inside store.transaction(): call it on the tx")
         self._local.open = True
+        self._local.wrote = False
         try:
             # expire_on_commit=False: rows handed out stay readable after the session closes.
             with Session(self.engine, expire_on_commit=False) as session, session.begin():
                 yield Tx(session)
         finally:
             self._local.open = False
+            if self._local.wrote:  # after the commit (or rollback): a snapshot read now sees it
+                self.generation = next(self._writes)
+
+    def _on_execute(self, _conn, _cursor, _statement, _params, context, _executemany) -> None:
+        if not (context.isinsert or context.isupdate or context.isdelete):
+            return
+        # Events, quotes and tokens are not in a snapshot: writing them leaves it current.
+        table = getattr(getattr(getattr(context, "compiled", None), "statement", None), "table", None)
+        if getattr(table, "name", None) not in _UNSNAPSHOTTED_TABLES:
+            self._local.wrote = True
 
     @contextlib.contextmanager
     def _scope(self) -> Iterator[Session]:

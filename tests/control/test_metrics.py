@@ -20,7 +20,7 @@ from orchestrator.fleet.lifecycle import ReplicaState as S
 from orchestrator.lb.proxy import LoadBalancer
 from policies.base import EventKind
 from providers.base import CapacityError, QuotaError, TransientError
-from tests.helpers import running_daemon
+from tests.helpers import running_daemon, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -104,6 +104,19 @@ def test_the_daemons_metrics_are_the_operators(state_home, monkeypatch):
         answer = client.get("/metrics", timeout=30)
     assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
     assert "# TYPE spot_replicas gauge" in answer.text and "# TYPE spot_preemptions_total counter" in answer.text
+
+
+def test_the_daemon_times_its_passes_over_every_service(state_home, monkeypatch):
+    # An operator's first sign that a large fleet outgrows its daemon: a pass near the interval.
+    with running_daemon(monkeypatch, probe_interval_s=0.5) as (_daemon, client):
+        def passes() -> dict[str, float]:
+            scraped = samples(client.get("/metrics", timeout=30).text)
+            return {dict(labels)["job"]: value for (name, labels), value in scraped.items()
+                    if name == "spot_daemon_pass_seconds_count"}
+
+        counts = wait_for(lambda: (lambda got: got if min(got.values(), default=0) >= 2 else None)(passes()),
+                          30, "two reconcile and two probe passes")
+    assert set(counts) == {"reconcile", "probe"}
 
 
 def _metric_names_in_code() -> dict[str, str]:
