@@ -18,11 +18,10 @@ window (nothing launched, nothing failing, every probe answered):
 - `idle_cpu_cores`: the daemon's CPU time over the window / the window;
 - `threads`: the daemon's thread count.
 
-The load balancers run inside the daemon on this branch (one per service: a thread, an event
-loop, a listening socket). `lb_rss_mb`, `lb_threads` and `lb_idle_cpu_cores` are their share at
-the largest size: what one load balancer with no service adds to a bare daemon (measured with
-100, or the smallest size's count) times the services; `without_lbs` is the rest, the
-daemon's own, and `goals_met_without_lbs` judges that (the LBs are moving to a data-plane process).
+The load balancers run where `spotctl`'s daemon runs them: every service's in the one data-plane
+process beside the daemon (orchestrator.lb.dataplane), not in the daemon. `dataplane_rss_mb`,
+`dataplane_threads` and `dataplane_idle_cpu_cores` are that process's own figures at the same
+moments, reported beside the daemon's (the goals are the daemon's).
 Each size's keys go to stderr as it ends. Prints one JSON line: the largest size's keys,
 `by_size` (every size's), `goals` and `goals_met` (at the largest size: rss under 300 MB, a
 pass under 1 s at p99, under 0.25 core idle),
@@ -42,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO))
@@ -58,16 +59,15 @@ engine: {{model: tiny}}
 kv: {{enabled: false}}
 """
 READY_TIMEOUT_S = 900.0
-LB_SHARE_WITH = 100  # load balancers the per-LB share is measured with (a thousand take minutes to start)
 
 
 # ---- the daemon's side (this script re-run with --serve-daemon) ----------------------------
 
-def serve_daemon(health_url: str, bare_lbs: int, machines: str | None) -> None:
+def serve_daemon(health_url: str, machines: str | None) -> None:
     """The daemon on the memory cloud, in the foreground; prints its URL and token once up.
-    With bare_lbs > 0, also that many load balancers with no service (their share, measured);
     `machines`: the seeded fleet's instances (a JSON file), running before the daemon starts."""
     from orchestrator.control.daemon import Daemon, DaemonServer
+    from orchestrator.control.dataplane import RemoteBalancers
     from orchestrator.control.store import Store
     from providers.base import Instance, InstanceStatus, Location, Market
     from tests.fakes.memory_cloud import MemoryCloud, MemoryLauncher
@@ -84,12 +84,8 @@ def serve_daemon(health_url: str, bare_lbs: int, machines: str | None) -> None:
                 for m in seeded if m["cloud"] == cloud)
         return clouds[cloud]
 
-    daemon = Daemon(store=Store(), provider_factory=provider, launcher=MemoryLauncher())
-    if bare_lbs:
-        from orchestrator.lb.proxy import LoadBalancer
-
-        for _ in range(bare_lbs):
-            LoadBalancer().start("127.0.0.1", 0)
+    daemon = Daemon(store=Store(), provider_factory=provider, launcher=MemoryLauncher(),
+                    balancers=RemoteBalancers())  # as serve() runs it: the LBs in the data plane
     server = DaemonServer(daemon, "127.0.0.1", 0)
     server.start_in_thread()
     print(json.dumps({"url": daemon.url, "token": daemon.token}), flush=True)
@@ -133,14 +129,14 @@ def pass_buckets(client, job: str) -> dict[float, float]:
 class DaemonProcess:
     """A daemon process on the memory cloud (this script with --serve-daemon)."""
 
-    def __init__(self, health_url: str, home: str, bare_lbs: int = 0, machines: str | None = None):
+    def __init__(self, health_url: str, home: str, machines: str | None = None):
         import httpx
 
         env = {**os.environ, "SPOT_ORCHESTRATOR_HOME": home, "PYTHONPATH": str(REPO)}
         extra = ["--machines", machines] if machines else []
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve-daemon", health_url,
-                                      "--bare-lbs", str(bare_lbs), *extra], stdout=subprocess.PIPE, text=True,
-                                     env=env)
+        self.home = Path(home)
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve-daemon", health_url, *extra],
+                                     stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the daemon did not start (exit {self.proc.wait()})")
@@ -148,10 +144,21 @@ class DaemonProcess:
         self.client = httpx.Client(base_url=info["url"], headers={"Authorization": f"Bearer {info['token']}"},
                                    timeout=300)
 
+    def dataplane(self):
+        """The data-plane process the daemon started (psutil), from its record."""
+        return psutil.Process(json.loads((self.home / "dataplane.json").read_text())["pid"])
+
     def stop(self) -> None:
+        """The daemon, then its data plane (which outlives a daemon by design)."""
         self.client.close()
         self.proc.kill()
         self.proc.wait()
+        try:
+            plane = self.dataplane()
+            plane.kill()
+            plane.wait(30)
+        except (OSError, ValueError, KeyError, psutil.Error):  # no data plane started, or gone
+            pass
 
 
 def seed(home: str, services: int, health_url: str) -> str:
@@ -251,19 +258,18 @@ def standin_count(health_url: str) -> int:
 
 
 def measure(services: int, health_url: str, quiet_s: float) -> dict:
-    import psutil
-
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as home:
         daemon = DaemonProcess(health_url, home, machines=seed(home, services, health_url))
         try:
             not_ready = settled(daemon.client, services)
             before = {job: pass_buckets(daemon.client, job) for job in ("reconcile", "probe")}
             probes_before = standin_count(health_url)
-            ps = psutil.Process(daemon.proc.pid)
-            cpu0, t0 = sum(ps.cpu_times()[:2]), time.monotonic()
+            ps, plane = psutil.Process(daemon.proc.pid), daemon.dataplane()
+            cpu0, t0, plane_cpu0 = sum(ps.cpu_times()[:2]), time.monotonic(), sum(plane.cpu_times()[:2])
             time.sleep(quiet_s)
-            cpu1, t1 = sum(ps.cpu_times()[:2]), time.monotonic()
+            cpu1, t1, plane_cpu1 = sum(ps.cpu_times()[:2]), time.monotonic(), sum(plane.cpu_times()[:2])
             rss_mb, threads = ps.memory_info().rss / 2**20, ps.num_threads()
+            plane_rss_mb, plane_threads = plane.memory_info().rss / 2**20, plane.num_threads()
             probes = standin_count(health_url) - probes_before
             after = {job: pass_buckets(daemon.client, job) for job in ("reconcile", "probe")}
         finally:
@@ -278,31 +284,9 @@ def measure(services: int, health_url: str, quiet_s: float) -> dict:
         "pass_p50_s": q(0.5, "reconcile"), "pass_p99_s": q(0.99, "reconcile"),
         "probe_pass_p50_s": q(0.5, "probe"), "idle_cpu_cores": round((cpu1 - cpu0) / (t1 - t0), 3),
         "threads": threads, "probes_per_s": round(probes / (t1 - t0), 1), "not_ready": not_ready,
+        "dataplane_rss_mb": round(plane_rss_mb, 1), "dataplane_threads": plane_threads,
+        "dataplane_idle_cpu_cores": round((plane_cpu1 - plane_cpu0) / (t1 - t0), 3),
     }
-
-
-def lb_share(lbs: int, health_url: str, quiet_s: float) -> dict:
-    """What one load balancer with no service adds to a bare daemon (RSS, threads, idle CPU),
-    measured as the difference of a daemon with `lbs` of them and one with none, divided by `lbs`
-    (at a small count: a thousand take minutes to start on two cores)."""
-    import psutil
-
-    out = {}
-    for label, count in (("bare", 0), ("lbs", lbs)):
-        with tempfile.TemporaryDirectory(prefix="bench-scale-") as home:
-            daemon = DaemonProcess(health_url, home, bare_lbs=count)
-            try:
-                time.sleep(3)
-                ps = psutil.Process(daemon.proc.pid)
-                cpu0, t0 = sum(ps.cpu_times()[:2]), time.monotonic()
-                time.sleep(quiet_s)
-                cores = (sum(ps.cpu_times()[:2]) - cpu0) / (time.monotonic() - t0)
-                out[label] = (ps.memory_info().rss / 2**20, ps.num_threads(), cores)
-            finally:
-                daemon.stop()
-    (rss0, threads0, cpu0), (rss1, threads1, cpu1) = out["bare"], out["lbs"]
-    return {"rss_mb": (rss1 - rss0) / lbs, "threads": (threads1 - threads0) / lbs,
-            "idle_cpu_cores": (cpu1 - cpu0) / lbs}
 
 
 def main() -> None:
@@ -311,11 +295,10 @@ def main() -> None:
     parser.add_argument("--sizes", default="100,200" if quick else "100,300,1000")
     parser.add_argument("--quiet-s", type=float, default=10.0 if quick else 60.0)
     parser.add_argument("--serve-daemon", help=argparse.SUPPRESS)
-    parser.add_argument("--bare-lbs", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--machines", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_daemon:
-        return serve_daemon(args.serve_daemon, args.bare_lbs, args.machines)
+        return serve_daemon(args.serve_daemon, args.machines)
     try:
         sizes = sorted({int(s) for s in args.sizes.split(",")})
     except ValueError:
@@ -331,23 +314,20 @@ def main() -> None:
         for n in sizes:
             by_size.append(measure(n, health_url, args.quiet_s))
             print(json.dumps(by_size[-1]), file=sys.stderr, flush=True)  # progress: a long run's sizes so far
-        per_lb = lb_share(min(sizes[0], LB_SHARE_WITH), health_url, min(args.quiet_s, 20.0))
     finally:
         standin.kill()
         standin.wait()
     top = by_size[-1]
-    lbs = {f"lb_{key}": round(per_lb[key] * top["services"], 3) for key in ("rss_mb", "threads", "idle_cpu_cores")}
-    own = {key: round(top[key] - lbs[f"lb_{key}"], 3) for key in ("rss_mb", "idle_cpu_cores")}
     met = {key: top[key] is not None and top[key] < goal for key, goal in GOALS.items()}
-    met_own = {key: (own.get(key, top[key]) or 0) < goal for key, goal in GOALS.items()}
     errors = sum(s["not_ready"] for s in by_size) + sum(1 for s in by_size if not s["probes_per_s"])
     print(json.dumps({
         **{k: top[k] for k in ("services", "rss_mb", "pass_p50_s", "pass_p99_s", "idle_cpu_cores",
                                "probe_pass_p50_s", "threads")},
-        **lbs, "lb_share_measured_with": min(sizes[0], LB_SHARE_WITH), "without_lbs": own, "by_size": by_size,
+        **{k: top[k] for k in ("dataplane_rss_mb", "dataplane_threads", "dataplane_idle_cpu_cores")},
+        "by_size": by_size,
         "goals": GOALS,
         "goals_met": all(met.values()), "goals_missed": sorted(k for k, ok in met.items() if not ok),
-        "goals_met_without_lbs": all(met_own.values()), "quiet_s": args.quiet_s, "errors": errors,
+        "quiet_s": args.quiet_s, "errors": errors,
     }))
 
 
