@@ -23,7 +23,7 @@ class FleetSnapshot:
     def __init__(self, store: Store):
         self.store = store
         self.generation = store.generation  # before the reads: a write after it makes them stale
-        with store.transaction() as tx:
+        with store.reading() as tx:  # no write lock: a pass's reads do not queue behind writers
             self._services = {row.name: row for row in tx.list_services()}
             replicas = tx.list_replicas(include_terminal=True)  # by (service, index)
         self._replicas: dict[str, list[ReplicaRow]] = defaultdict(list)

@@ -16,6 +16,7 @@ database's schema up to this code's first (orchestrator.control.migrations).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import json
 import os
@@ -214,6 +215,11 @@ class _Ops:
     def _scope(self) -> contextlib.AbstractContextManager[Session]:
         raise NotImplementedError
 
+    def _read_scope(self) -> contextlib.AbstractContextManager[Session]:
+        """The session of an operation that only reads (a Tx: its own; the Store: a read
+        transaction, which on SQLite takes no write lock)."""
+        return self._scope()
+
     # ---- services -----------------------------------------------------------------
 
     def create_or_update_service(
@@ -246,11 +252,11 @@ class _Ops:
             return row
 
     def get_service(self, name: str) -> ServiceRow | None:
-        with self._scope() as s:
+        with self._read_scope() as s:
             return s.get(ServiceRow, name)
 
     def list_services(self) -> list[ServiceRow]:
-        with self._scope() as s:
+        with self._read_scope() as s:
             return list(s.exec(select(ServiceRow).order_by(ServiceRow.name)))
 
     def update_service(self, name: str, expected_version: int | None = None, **fields: Any) -> ServiceRow:
@@ -300,7 +306,7 @@ class _Ops:
             return row
 
     def get_replica(self, replica_id: str) -> ReplicaRow | None:
-        with self._scope() as s:
+        with self._read_scope() as s:
             return s.get(ReplicaRow, replica_id)
 
     def update_replica(
@@ -350,7 +356,7 @@ class _Ops:
             query = query.where(col(ReplicaRow.service) == service)
         if not include_terminal:
             query = query.where(col(ReplicaRow.state).not_in(_TERMINAL_VALUES))
-        with self._scope() as s:
+        with self._read_scope() as s:
             return list(s.exec(query.order_by(ReplicaRow.service, ReplicaRow.index)))
 
     def fill_spec_revision(self, service: str, revision: str) -> int:
@@ -375,7 +381,7 @@ class _Ops:
                                     expires_at=expires_at))
 
     def get_bootstrap_token(self, token_hash: str) -> BootstrapTokenRow | None:
-        with self._scope() as s:
+        with self._read_scope() as s:
             return s.get(BootstrapTokenRow, token_hash)
 
     def redeem_bootstrap_token(self, token_hash: str) -> bool:
@@ -431,7 +437,7 @@ class _Ops:
             query = query.order_by(col(EventRow.id).desc()).limit(limit)
         else:
             query = query.order_by(col(EventRow.id))
-        with self._scope() as s:
+        with self._read_scope() as s:
             rows = list(s.exec(query))
         return sorted(rows, key=lambda r: r.id) if limit is not None else rows
 
@@ -493,7 +499,7 @@ class _Ops:
             & (col(PriceQuote.market) == sub.c.market)
             & (col(PriceQuote.observed_at) == sub.c.at),
         )
-        with self._scope() as s:
+        with self._read_scope() as s:
             rows = list(s.exec(query.order_by(PriceQuote.cloud, PriceQuote.zone, PriceQuote.id)))
         seen: dict[tuple, Offer] = {}  # equal timestamps: keep one quote per key
         for r in rows:
@@ -514,7 +520,7 @@ class _Ops:
         query = select(LocationRow)
         if cloud is not None:
             query = query.where(col(LocationRow.cloud) == cloud)
-        with self._scope() as s:
+        with self._read_scope() as s:
             return list(s.exec(query.order_by(LocationRow.cloud, LocationRow.region, LocationRow.zone)))
 
     def prune_price_quotes(self, older_than: float) -> int:
@@ -581,6 +587,9 @@ def _versioned_update(
 
 # ---- the engine ---------------------------------------------------------------------
 
+# Set while a Store.reading() transaction begins: its BEGIN takes no write lock.
+_READ_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("store_read_only", default=False)
+
 
 def default_url() -> str:
     return os.environ.get(DB_URL_ENV) or f"sqlite:///{paths.home() / 'state.db'}"
@@ -618,7 +627,9 @@ def make_engine(url: str) -> Engine:
     def _on_begin(conn):
         # IMMEDIATE takes the write lock up front: two writers queue (busy_timeout) instead of
         # both reading and then one failing to upgrade its lock with "database is locked".
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # A read transaction (Store.reading) begins DEFERRED: WAL readers need no lock (the
+        # in-memory database shares one connection between threads: kept IMMEDIATE there).
+        conn.exec_driver_sql("BEGIN" if _READ_ONLY.get() and not memory else "BEGIN IMMEDIATE")
 
     return engine
 
@@ -672,6 +683,18 @@ class Store(_Ops):
             if self._local.wrote:  # after the commit (or rollback): a snapshot read now sees it
                 self.generation = next(self._writes)
 
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Tx]:
+        """A transaction that only reads. On SQLite it begins DEFERRED, not IMMEDIATE: in WAL
+        mode readers take no write lock, so a thousand services' reads neither queue behind each
+        other nor behind the writer (each sees the last commit). Writing inside one is a bug."""
+        token = _READ_ONLY.set(True)
+        try:
+            with self.transaction() as tx:
+                yield tx
+        finally:
+            _READ_ONLY.reset(token)
+
     def _on_execute(self, _conn, _cursor, _statement, _params, context, _executemany) -> None:
         if not (context.isinsert or context.isupdate or context.isdelete):
             return
@@ -683,6 +706,11 @@ class Store(_Ops):
     @contextlib.contextmanager
     def _scope(self) -> Iterator[Session]:
         with self.transaction() as tx:
+            yield tx.session
+
+    @contextlib.contextmanager
+    def _read_scope(self) -> Iterator[Session]:
+        with self.reading() as tx:
             yield tx.session
 
     def close(self) -> None:

@@ -307,3 +307,36 @@ def test_in_memory_and_missing_parent_directory(tmp_path):
     nested = Store(f"sqlite:///{tmp_path / 'a' / 'b' / 'state.db'}")
     nested.create_or_update_service("chat", "{}")
     assert (tmp_path / "a" / "b" / "state.db").exists()
+
+
+def test_reads_do_not_queue_behind_a_writer(store):
+    """A read (and a fleet snapshot's) answers while another thread's write transaction is
+    open, seeing the last commit: on SQLite reads begin DEFERRED (WAL), writes IMMEDIATE."""
+    from orchestrator.control.snapshot import FleetSnapshot
+
+    store.create_or_update_service("chat", "{}")
+    writing, release = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with store.transaction() as tx:
+            tx.update_service("chat", status=ServiceStatus.READY)
+            writing.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert writing.wait(10)
+        seen: list = []
+        reader = threading.Thread(target=lambda: seen.extend(
+            [store.get_service("chat").status, len(store.list_replicas()), FleetSnapshot(store).reads("chat")
+             .get_service("chat").status]))
+        reader.start()
+        reader.join(10)
+        finished = not reader.is_alive()
+    finally:
+        release.set()
+        thread.join()
+    assert finished, "a read waited for the writer's transaction"
+    assert seen == [ServiceStatus.PENDING, 0, ServiceStatus.PENDING]  # the last commit, not the open write
+    assert store.get_service("chat").status == ServiceStatus.READY
