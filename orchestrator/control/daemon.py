@@ -153,6 +153,7 @@ class Daemon:
         # Each service's load balancer: in this process (tests that build a Daemon), or in the
         # data-plane process that outlives the daemon (serve(): orchestrator.control.dataplane).
         self.balancers = balancers or InProcessBalancers()
+        self._last_snapshot: FleetSnapshot | None = None
         self.lbs: dict[str, ServiceBalancer] = {}
         self.metrics = DaemonMetrics(self.store, self.balancers.metrics_text)  # GET /metrics
         self.migrator = Migrator(self.store, self.controllers, self.lbs, self.provider, self.reconcile_service,
@@ -433,13 +434,21 @@ class Daemon:
         except Exception:
             log.exception("reconcile of %s failed", name)
 
+    def _snapshot(self) -> FleetSnapshot:
+        """The fleet's rows in two queries, not a dozen per service; the last one again while
+        nothing was written since (a quiet fleet's reconcile and probe passes share it)."""
+        last = self._last_snapshot
+        if last is None or not last.fresh():
+            last = self._last_snapshot = FleetSnapshot(self.store)
+        return last
+
     def reconcile_all(self) -> None:
         """Each service's pass in its own thread: one slow cloud launch holds up only its own
         service (whose next pass is skipped while it runs), never the others. The pass's time,
         until the last service's is done, goes to spot_daemon_pass_seconds{job="reconcile"}."""
         names = list(self.controllers)
         done = _PassTimer(len(names), self.metrics.passes.labels("reconcile").observe)
-        snapshot = FleetSnapshot(self.store)  # the fleet's rows in two queries, not a dozen per service
+        snapshot = self._snapshot()
         for name in names:
             self._reconcile_pool.submit(self.reconcile_service, name, snapshot).add_done_callback(done)
 
@@ -451,7 +460,7 @@ class Daemon:
         except Exception:
             log.exception("the data plane check failed")
         started = time.monotonic()
-        snapshot = FleetSnapshot(self.store)
+        snapshot = self._snapshot()
         rounds = []
         for name, controller in list(self.controllers.items()):
             try:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 
 from orchestrator.common import paths
 from orchestrator.common.errors import UserError
-from orchestrator.control.store import Store, default_url
+from orchestrator.control.store import ServiceRow, Store, default_url
 from orchestrator.spec import spec_from_json
 from providers.base import TAG_MANAGED, Instance, InstanceStatus, Provider, ProviderError
 
@@ -137,9 +137,11 @@ class OrphanSweeper:
                 seen.setdefault(instance_id, ev.at)
         return seen
 
-    def owner(self, inst: Instance) -> str | None:
-        """None when the machine belongs to a known service and incarnation, else why not."""
-        row = self.store.get_service(inst.service or "")
+    @staticmethod
+    def owner(inst: Instance, services: dict[str, ServiceRow]) -> str | None:
+        """None when the machine belongs to a known service and incarnation, else why not
+        (`services`: the stored ones by name, read once per sweep, not once per machine)."""
+        row = services.get(inst.service or "")
         if row is None:
             return f"service {inst.service!r} is unknown"
         if row.incarnation and inst.incarnation and inst.incarnation != row.incarnation:
@@ -150,8 +152,11 @@ class OrphanSweeper:
         """Report new orphans, terminate those past their grace (all of them with now_all)."""
         found = []
         now = self.clock()
+        services = None
         for inst in live_machines(clouds_in_use(self.store), self.provider):
-            why = self.owner(inst)
+            if services is None:  # after the listing: a service stored meanwhile is known
+                services = {row.name: row for row in self.store.list_services()}
+            why = self.owner(inst, services)
             if why is None:
                 continue
             first = self._first_seen.get(inst.instance_id)
