@@ -250,6 +250,19 @@ class Controller:
         self.carry_out(launches)
         self.reconciles += 1  # completed passes (tests and status pages read it)
 
+    def steady(self, reads: Store | None = None) -> bool:
+        """Whether a pass now would only wait: the service READY, no update rolling, no
+        request-rate autoscaling (its target moves with traffic, not with the rows), every live
+        replica READY with no cloud call in flight. Daemon.reconcile_service asks after a pass
+        that wrote nothing, to reconcile such a service less often."""
+        store = reads or self.store
+        svc = store.get_service(self.service)
+        if svc is None or svc.status != ServiceStatus.READY or svc.update_mode \
+                or self.autoscaler.config.target_qps_per_replica or self._terminating:
+            return False
+        return all(r.replica_state == S.READY and not self._in_flight(r.replica_id)
+                   for r in store.list_replicas(self.service))
+
     def regions(self) -> dict[str, list[str]]:
         """Per cloud, the regions this service's instances may be in: its candidates' and its
         replicas' (only those are listed: another region may not even be enabled)."""

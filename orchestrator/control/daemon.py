@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+import zlib
 import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +70,13 @@ log = logging.getLogger("orchestrator.control.daemon")
 
 RECONCILE_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_RECONCILE_S", "2"))
 PROBE_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_PROBE_S", "2"))
+# A steady service (every replica READY, nothing to do) whose rows nobody wrote since its last
+# pass is reconciled every QUIET_EVERY-th pass only (10 s at the default 2 s): at a thousand
+# services its passes were most of a quiet daemon's CPU. Any write (a probe's finding, a notice,
+# a launch, an API call) makes the fleet's snapshot new, and every service is passed again.
+# The probe job asks a steady service's replicas as seldom; meanwhile a replica that stops
+# answering costs no client anything (the load balancer tries another), only a later probe.
+QUIET_EVERY = int(os.environ.get("SPOT_ORCHESTRATOR_QUIET_EVERY", "5"))
 PRICES_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_PRICES_S", "600"))
 ORPHANS_INTERVAL_S = float(os.environ.get("SPOT_ORCHESTRATOR_ORPHANS_S", "30"))
 # A ReplicaLauncher subclass ("module:Class") instead of the default: a custom replica runtime,
@@ -154,6 +162,8 @@ class Daemon:
         # data-plane process that outlives the daemon (serve(): orchestrator.control.dataplane).
         self.balancers = balancers or InProcessBalancers()
         self._last_snapshot: FleetSnapshot | None = None
+        self._quiet: dict[str, FleetSnapshot] = {}  # steady services: the snapshot they were steady in
+        self._passes = {"reconcile": 0, "probe": 0}
         self.lbs: dict[str, ServiceBalancer] = {}
         self.metrics = DaemonMetrics(self.store, self.balancers.metrics_text)  # GET /metrics
         self.migrator = Migrator(self.store, self.controllers, self.lbs, self.provider, self.reconcile_service,
@@ -431,8 +441,20 @@ class Daemon:
             row = (reads or self.store).get_service(name)
             if row is not None and row.status == ServiceStatus.SHUTTING_DOWN:
                 self._finish_down(name)
+            elif snapshot is not None and snapshot.fresh() and controller.steady(reads):
+                self._quiet[name] = snapshot
+            else:
+                self._quiet.pop(name, None)
         except Exception:
             log.exception("reconcile of %s failed", name)
+
+    def _skips(self, job: str, name: str, snapshot: FleetSnapshot) -> bool:
+        """Whether this pass of `job` leaves the service out: it is steady, nothing was written
+        since, and this is not its turn. Turns are staggered by name, so each pass takes a
+        QUIET_EVERY-th of the steady services, not all of them every QUIET_EVERY-th pass."""
+        if self._quiet.get(name) is not snapshot:
+            return False
+        return (self._passes[job] + zlib.crc32(name.encode())) % QUIET_EVERY != 0
 
     def _snapshot(self) -> FleetSnapshot:
         """The fleet's rows in two queries, not a dozen per service; the last one again while
@@ -447,10 +469,14 @@ class Daemon:
         service (whose next pass is skipped while it runs), never the others. The pass's time,
         until the last service's is done, goes to spot_daemon_pass_seconds{job="reconcile"}."""
         names = list(self.controllers)
+        self._passes["reconcile"] += 1
         done = _PassTimer(len(names), self.metrics.passes.labels("reconcile").observe)
         snapshot = self._snapshot()
         for name in names:
-            self._reconcile_pool.submit(self.reconcile_service, name, snapshot).add_done_callback(done)
+            if self._skips("reconcile", name, snapshot):
+                done(None)
+            else:
+                self._reconcile_pool.submit(self.reconcile_service, name, snapshot).add_done_callback(done)
 
     def probe_all(self) -> None:
         """Every service's replicas probed together (one Prober.check), then each service's
@@ -461,8 +487,11 @@ class Daemon:
             log.exception("the data plane check failed")
         started = time.monotonic()
         snapshot = self._snapshot()
+        self._passes["probe"] += 1
         rounds = []
         for name, controller in list(self.controllers.items()):
+            if self._skips("probe", name, snapshot):
+                continue  # steady and unchanged: its READY replicas are asked every QUIET_EVERY-th pass
             try:
                 rounds.append((name, controller, controller.probe_targets(snapshot.reads(name))))
             except Exception:
