@@ -119,7 +119,7 @@ class Budgeted(PlacementPolicy):
         return dataclasses.replace(decision, launches=launches)
 
 
-def _pids(module: bytes, port_flag: bytes, endpoints: set[str]) -> list[int]:
+def _pids(module: str, port_flag: str, endpoints: set[str]) -> list[int]:
     """The processes running `python -m module ... port_flag PORT` for these endpoints' ports."""
     ports = {e.rsplit(":", 1)[1] for e in endpoints}
     pids = []
@@ -132,7 +132,7 @@ def _pids(module: bytes, port_flag: bytes, endpoints: set[str]) -> list[int]:
 
 def _agent_pids(agent_endpoints: set[str]) -> list[int]:
     """The agents (shard stores) serving these endpoints, found by their command lines."""
-    return _pids(b"orchestrator.replica.agent", b"--store-port", agent_endpoints)
+    return _pids("orchestrator.replica.agent", "--store-port", agent_endpoints)
 
 
 def _kill_agents(endpoints: set[str]) -> None:
@@ -146,7 +146,7 @@ def _kill_agents(endpoints: set[str]) -> None:
 
 def _process_groups(replicas: list[dict]) -> list[int]:
     """The process groups of these replicas (vLLM, its engine and its agent share one)."""
-    servers = _pids(b"vllm.entrypoints.openai.api_server", b"--port", {r["endpoint"] for r in replicas})
+    servers = _pids("vllm.entrypoints.openai.api_server", "--port", {r["endpoint"] for r in replicas})
     assert len(servers) == len(replicas), f"vLLM servers of {[r['replica_id'] for r in replicas]}: {servers}"
     return sorted({os.getpgid(pid) for pid in servers})
 
